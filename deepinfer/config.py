@@ -1,0 +1,326 @@
+"""Frozen, typed configuration. HF configs are converted once, here; nothing else reads config.json."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+SLIDING, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
+_RATIO_TO_KIND = {0: SLIDING, 4: CSA, 128: HCA}
+SUPPORTED_MODEL_TYPES = ("deepseek_v4", "deepseek_v3", "deepseek_v2")
+# Keys that only DeepSeek-V4.1 / Flash-0731 configs carry; their semantics have no reference here.
+_V41_ONLY_KEYS = ("dspark", "engram", "csa2", "delayed_hc", "num_dspark_layers", "engram_vocab_size",
+                  "shared_compressed_kv", "hc_delay")
+
+
+_DEFAULT_SCORING = {"deepseek_v4": "sqrtsoftplus", "deepseek_v3": "sigmoid", "deepseek_v2": "softmax"}
+
+
+class ConfigError(ValueError):
+    """A checkpoint config that deepinfer cannot serve, with the reason."""
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    """Rotary embedding for one rope dimension; YaRN when `factor` > 1."""
+
+    theta: float
+    dim: int
+    factor: float = 1.0
+    original_max_position: int = 0
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    attention_factor: float = 1.0  # multiplies cos/sin
+    mscale: float = 0.0
+    mscale_all_dim: float = 0.0
+
+    @property
+    def is_yarn(self) -> bool:
+        return self.factor > 1.0 and self.original_max_position > 0
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    max_position: int
+    rms_norm_eps: float
+    bos_token_id: int | None
+    eos_token_ids: tuple[int, ...]
+    # MoE
+    n_routed_experts: int
+    n_shared_experts: int
+    num_experts_per_tok: int
+    moe_intermediate_size: int
+    routed_scaling_factor: float
+    norm_topk_prob: bool
+    scoring_func: str  # sqrtsoftplus | sigmoid | softmax
+    num_mtp_layers: int
+    hf_dtype: str
+    # V4
+    head_dim: int = 0
+    rope_dim: int = 0
+    q_lora_rank: int = 0
+    o_groups: int = 0
+    o_lora_rank: int = 0
+    sliding_window: int = 0
+    layer_kinds: tuple[str, ...] = ()
+    compress_ratios: tuple[int, ...] = ()  # per layer, 0 for sliding-only
+    hash_layers: tuple[bool, ...] = ()
+    index_n_heads: int = 0
+    index_head_dim: int = 0
+    index_topk: int = 0
+    hc_mult: int = 0
+    hc_sinkhorn_iters: int = 0
+    hc_eps: float = 0.0
+    swiglu_limit: float = 0.0
+    rope_main: RopeConfig | None = None
+    rope_compress: RopeConfig | None = None
+    # MLA (V2/V3)
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    intermediate_size: int = 0
+    first_k_dense_replace: int = 0
+    moe_layer_freq: int = 1
+    n_group: int = 1
+    topk_group: int = 1
+    topk_method: str = "greedy"
+    rope_interleave: bool = True
+    rope: RopeConfig | None = None
+    softmax_scale: float = 0.0
+    extra: dict = field(default_factory=dict, compare=False, hash=False)
+
+    @property
+    def is_v4(self) -> bool:
+        return self.model_type == "deepseek_v4"
+
+    @classmethod
+    def from_hf(cls, path: str | Path) -> ModelConfig:
+        """Read `config.json` from a checkpoint directory (or the file itself)."""
+        p = Path(path)
+        cfg_file = p / "config.json" if p.is_dir() else p
+        if not cfg_file.exists():
+            raise ConfigError(f"no config.json in {p}")
+        try:
+            raw = json.loads(cfg_file.read_text())
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{cfg_file} is not valid JSON: {e}") from e
+        return cls.from_dict(raw)
+
+    @classmethod
+    def from_dict(cls, raw: dict) -> ModelConfig:
+        mt = raw.get("model_type")
+        if mt == "deepseek_v32" or "index_topk" in raw and mt == "deepseek_v3":
+            raise ConfigError("model_type 'deepseek_v32' (DeepSeek-V3.2 DSA sparse attention) is not supported yet")
+        if mt not in SUPPORTED_MODEL_TYPES:
+            raise ConfigError(f"unsupported model_type {mt!r}; deepinfer serves {', '.join(SUPPORTED_MODEL_TYPES)}")
+        return _v4_from_dict(raw) if mt == "deepseek_v4" else _mla_from_dict(raw)
+
+
+def _common(raw: dict) -> dict:
+    eos = raw.get("eos_token_id", 1)
+    eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+    return dict(
+        model_type=raw["model_type"],
+        vocab_size=int(raw["vocab_size"]),
+        hidden_size=int(raw["hidden_size"]),
+        num_layers=int(raw["num_hidden_layers"]),
+        num_heads=int(raw["num_attention_heads"]),
+        max_position=int(raw.get("max_position_embeddings", 4096)),
+        rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+        bos_token_id=raw.get("bos_token_id"),
+        eos_token_ids=eos_ids,
+        n_routed_experts=int(raw.get("n_routed_experts") or 0),
+        n_shared_experts=int(raw.get("n_shared_experts") or 0),
+        num_experts_per_tok=int(raw.get("num_experts_per_tok") or 0),
+        moe_intermediate_size=int(raw.get("moe_intermediate_size") or 0),
+        routed_scaling_factor=float(raw.get("routed_scaling_factor", 1.0)),
+        norm_topk_prob=bool(raw.get("norm_topk_prob", False)),
+        num_mtp_layers=int(raw.get("num_nextn_predict_layers", 0) or 0),
+        hf_dtype=str(raw.get("torch_dtype") or raw.get("dtype") or "bfloat16"),
+        scoring_func=str(raw.get("scoring_func") or _DEFAULT_SCORING[raw["model_type"]]),
+    )
+
+
+def _rope_from(params: dict, theta: float, dim: int) -> RopeConfig:
+    rtype = params.get("rope_type", params.get("type", "default"))
+    if rtype in ("default", None):
+        return RopeConfig(theta=float(params.get("rope_theta", theta)), dim=dim)
+    if rtype != "yarn":
+        raise ConfigError(f"rope type {rtype!r} is not supported (default and yarn are)")
+    return RopeConfig(
+        theta=float(params.get("rope_theta", theta)),
+        dim=dim,
+        factor=float(params["factor"]),
+        original_max_position=int(params["original_max_position_embeddings"]),
+        beta_fast=float(params.get("beta_fast") or 32),
+        beta_slow=float(params.get("beta_slow") or 1),
+        attention_factor=float(params["attention_factor"]) if params.get("attention_factor") is not None else 0.0,
+        mscale=float(params.get("mscale") or 0.0),
+        mscale_all_dim=float(params.get("mscale_all_dim") or 0.0),
+    )
+
+
+def _v4_layer_kinds(raw: dict, n: int) -> tuple[tuple[str, ...], tuple[int, ...]]:
+    rates = {CSA: 4, HCA: 128}
+    rates.update(raw.get("compress_rates") or {})
+    if "compress_rate_csa" in raw:
+        rates[CSA] = raw["compress_rate_csa"]
+    if "compress_rate_hca" in raw:
+        rates[HCA] = raw["compress_rate_hca"]
+    if raw.get("layer_types"):
+        kinds = tuple(raw["layer_types"][:n])
+    elif raw.get("compress_ratios"):
+        ratios = raw["compress_ratios"][:n]
+        bad = [r for r in ratios if r not in _RATIO_TO_KIND and r not in (rates[CSA], rates[HCA])]
+        if bad:
+            raise ConfigError(f"compress_ratios entries must be 0, 4 or 128; got {bad}")
+        kinds = tuple(SLIDING if r == 0 else CSA if r == rates[CSA] else HCA for r in ratios)
+    else:
+        kinds = tuple([HCA] * min(n, 2) + [CSA if i % 2 else HCA for i in range(max(n - 2, 0))])
+    unknown = sorted({k for k in kinds if k not in (SLIDING, CSA, HCA)})
+    if unknown or len(kinds) != n:
+        raise ConfigError(f"layer_types must list {n} of {SLIDING}/{CSA}/{HCA}; got {list(kinds)}")
+    return kinds, tuple(0 if k == SLIDING else int(rates[k]) for k in kinds)
+
+
+def _v4_rope(raw: dict, rope_dim: int) -> tuple[RopeConfig, RopeConfig]:
+    rp = raw.get("rope_parameters") or {}
+    if isinstance(rp.get("main"), dict) and isinstance(rp.get("compress"), dict):
+        main, comp = rp["main"], rp["compress"]
+    else:
+        yarn = {k: v for k, v in (raw.get("rope_scaling") or rp).items() if k not in ("main", "compress")}
+        main = {"rope_type": "default", "rope_theta": raw.get("rope_theta", 10000.0)}
+        comp = {**yarn, "rope_theta": raw.get("compress_rope_theta", 160000.0)}
+    main_cfg = _rope_from(main, float(raw.get("rope_theta", 10000.0)), rope_dim)
+    comp_cfg = _rope_from(comp, float(raw.get("compress_rope_theta", 160000.0)), rope_dim)
+    if comp_cfg.is_yarn and comp_cfg.attention_factor == 0.0:
+        # V4 applies YaRN frequencies without an mscale on cos/sin.
+        comp_cfg = RopeConfig(**{**comp_cfg.__dict__, "attention_factor": 1.0})
+    return main_cfg, comp_cfg
+
+
+def _v4_from_dict(raw: dict) -> ModelConfig:
+    present = [k for k in _V41_ONLY_KEYS if raw.get(k)]
+    if present:
+        raise ConfigError(f"DeepSeek-V4.1 features {present} are not supported (no reference implementation)")
+    if len(raw.get("compress_ratios") or []) > int(raw["num_hidden_layers"]) + 1:
+        raise ConfigError("this compress_ratios layout (V4.1 / Flash-0731) is not supported")
+    n = int(raw["num_hidden_layers"])
+    head_dim = int(raw.get("head_dim", 512))
+    if raw.get("qk_rope_head_dim"):
+        rope_dim = int(raw["qk_rope_head_dim"])
+    else:
+        rope_dim = int(head_dim * float(raw.get("partial_rotary_factor") or 64 / 512))
+    kinds, ratios = _v4_layer_kinds(raw, n)
+    if raw.get("mlp_layer_types"):
+        hash_layers = tuple(t == "hash_moe" for t in raw["mlp_layer_types"][:n])
+    else:
+        n_hash = int(raw.get("num_hash_layers", 3))
+        hash_layers = tuple(i < n_hash for i in range(n))
+    main, comp = _v4_rope(raw, rope_dim)
+    return ModelConfig(
+        **_common(raw),
+        head_dim=head_dim,
+        rope_dim=rope_dim,
+        q_lora_rank=int(raw["q_lora_rank"]),
+        o_groups=int(raw["o_groups"]),
+        o_lora_rank=int(raw["o_lora_rank"]),
+        sliding_window=int(raw["sliding_window"]),
+        layer_kinds=kinds,
+        compress_ratios=ratios,
+        hash_layers=hash_layers,
+        index_n_heads=int(raw.get("index_n_heads", 64)),
+        index_head_dim=int(raw.get("index_head_dim", 128)),
+        index_topk=int(raw.get("index_topk", 512)),
+        hc_mult=int(raw.get("hc_mult", 4)),
+        hc_sinkhorn_iters=int(raw.get("hc_sinkhorn_iters", 20)),
+        hc_eps=float(raw.get("hc_eps", 1e-6)),
+        swiglu_limit=float(raw.get("swiglu_limit", 0.0) or 0.0),
+        rope_main=main,
+        rope_compress=comp,
+    )
+
+
+def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def _mla_from_dict(raw: dict) -> ModelConfig:
+    rope_dim = int(raw["qk_rope_head_dim"])
+    rp = dict(raw.get("rope_scaling") or raw.get("rope_parameters") or {})
+    rp.setdefault("rope_theta", raw.get("rope_theta", 10000.0))
+    rope = _rope_from(rp, float(rp["rope_theta"]), rope_dim)
+    if rope.is_yarn and rope.attention_factor == 0.0:
+        af = _yarn_mscale(rope.factor, rope.mscale) / _yarn_mscale(rope.factor, rope.mscale_all_dim) \
+            if rope.mscale and rope.mscale_all_dim else _yarn_mscale(rope.factor)
+        rope = RopeConfig(**{**rope.__dict__, "attention_factor": af})
+    qk_head_dim = int(raw["qk_nope_head_dim"]) + rope_dim
+    scale = qk_head_dim**-0.5
+    if rope.is_yarn and rope.mscale_all_dim:
+        scale *= _yarn_mscale(rope.factor, rope.mscale_all_dim) ** 2
+    is_v2 = raw["model_type"] == "deepseek_v2"
+    return ModelConfig(
+        **{**_common(raw), "norm_topk_prob": bool(raw.get("norm_topk_prob", not is_v2))},
+        q_lora_rank=int(raw.get("q_lora_rank") or 0),
+        kv_lora_rank=int(raw["kv_lora_rank"]),
+        qk_nope_head_dim=int(raw["qk_nope_head_dim"]),
+        qk_rope_head_dim=rope_dim,
+        v_head_dim=int(raw["v_head_dim"]),
+        intermediate_size=int(raw["intermediate_size"]),
+        first_k_dense_replace=int(raw.get("first_k_dense_replace", 0)),
+        moe_layer_freq=int(raw.get("moe_layer_freq", 1)),
+        n_group=int(raw.get("n_group") or 1),
+        topk_group=int(raw.get("topk_group") or 1),
+        topk_method=str(raw.get("topk_method") or ("greedy" if is_v2 else "noaux_tc")),
+        rope_interleave=bool(raw.get("rope_interleave", True)),
+        rope=rope,
+        softmax_scale=scale,
+    )
+
+
+def resolve_dtype(dtype: str | torch.dtype, hf_dtype: str = "bfloat16", device: str = "cpu") -> torch.dtype:
+    """`auto` keeps the checkpoint dtype on CUDA and uses float32 on CPUs (no native bf16 GEMM)."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    names = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
+             "float16": torch.float16, "half": torch.float16}
+    if dtype == "auto":
+        if device == "cpu":
+            return torch.float32
+        return names.get(hf_dtype, torch.bfloat16)
+    if dtype not in names:
+        raise ValueError(f"dtype must be auto|float32|bfloat16|float16, got {dtype!r}")
+    return names[dtype]
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = 0  # 0: the model's default
+    kv_cache_memory_bytes: int | None = None
+    gpu_memory_utilization: float = 0.9  # fraction of free memory when no byte budget is given
+    cpu_kv_cache_fraction: float = 0.1  # fraction of available RAM on CPU
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 0  # 0: the model's max_position
+    enable_chunked_prefill: bool = True
+    policy: str = "fcfs"  # fcfs | priority
+
+    def __post_init__(self):
+        if self.max_num_seqs <= 0 or self.max_num_batched_tokens <= 0:
+            raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")
+        if self.policy not in ("fcfs", "priority"):
+            raise ValueError(f"scheduling policy must be fcfs or priority, got {self.policy!r}")

@@ -1,0 +1,90 @@
+"""Per-step forward metadata: the one object the model runner hands to a model.
+
+A step runs a ragged batch: request r contributes tokens at positions
+[seq_starts[r], seq_lens[r]) that sit, flattened, at rows [query_start[r], query_start[r+1]).
+Positions below seq_starts[r] were computed in earlier steps and live in the cache.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+
+
+@dataclass(frozen=True)
+class CacheTensorSpec:
+    """One cache tensor a model asks for.
+
+    paged: allocated as [num_blocks, *shape]; block b holds the state of token positions
+           [i * block_size, (i + 1) * block_size) of whichever request maps logical block i to b.
+    state: allocated as [num_state_slots, *shape]; one slot per running request (bounded state).
+    """
+
+    name: str
+    kind: Literal["paged", "state"]
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def bytes_per_unit(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n * torch.empty((), dtype=self.dtype).element_size()
+
+
+@dataclass
+class ForwardMeta:
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    token_req: torch.Tensor  # [T] int64, batch row of each token
+    block_table: torch.Tensor  # [R, max_blocks] int64, padded with 0
+    state_slots: torch.Tensor  # [R] int64
+    logits_indices: torch.Tensor  # [L] int64, rows whose logits are needed
+    query_start: list[int]  # host, R + 1
+    seq_starts: list[int]  # host, R: tokens already in the cache
+    seq_lens: list[int]  # host, R: tokens in the cache after this step
+    block_size: int
+    # Per-step derived tensors, computed once by the model and shared by its layers.
+    scratch: dict = field(default_factory=dict)
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.seq_starts)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.query_start[-1]
+
+    @property
+    def device(self) -> torch.device:
+        return self.input_ids.device
+
+    @property
+    def is_decode_only(self) -> bool:
+        return self.num_tokens == self.num_reqs
+
+    def query_lens(self) -> list[int]:
+        return [e - s for s, e in zip(self.query_start[:-1], self.query_start[1:])]
+
+    def slots_of(self, req_rows: torch.Tensor, positions: torch.Tensor, entries_per_block: int = 0,
+                 ratio: int = 1) -> torch.Tensor:
+        """Flat index into a paged tensor viewed as [num_blocks * entries_per_block, ...].
+
+        Entry e of a stream with one entry per `ratio` tokens covers token position e * ratio;
+        positions here are entry numbers. `entries_per_block` defaults to block_size // ratio.
+        """
+        per_block = entries_per_block or self.block_size // ratio
+        blocks = self.block_table[req_rows, positions // per_block]
+        return blocks * per_block + positions % per_block
+
+    def new_token_slots(self) -> torch.Tensor:
+        """Flat paged index of every new token (one entry per token)."""
+        return self.cached("new_token_slots", lambda: self.slots_of(self.token_req, self.positions))
+
+    def cached(self, key: str, fn):
+        if key not in self.scratch:
+            self.scratch[key] = fn()
+        return self.scratch[key]

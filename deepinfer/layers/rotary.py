@@ -1,0 +1,69 @@
+"""Rotary position embeddings: plain and YaRN frequencies, interleaved-pair rotation."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from deepinfer.config import RopeConfig
+
+
+def inv_frequencies(rope: RopeConfig) -> torch.Tensor:
+    """[dim // 2] inverse frequencies; YaRN blends interpolated and extrapolated ones."""
+    dim, base = rope.dim, rope.theta
+    pos_freqs = base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
+    extrapolated = 1.0 / pos_freqs
+    if not rope.is_yarn:
+        return extrapolated
+    interpolated = 1.0 / (rope.factor * pos_freqs)
+
+    def correction_dim(rotations: float) -> float:
+        return dim * math.log(rope.original_max_position / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low = max(math.floor(correction_dim(rope.beta_fast)), 0)
+    high = min(math.ceil(correction_dim(rope.beta_slow)), dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    extrapolation_weight = 1 - ramp
+    return interpolated * (1 - extrapolation_weight) + extrapolated * extrapolation_weight
+
+
+class RotaryTable:
+    """cos/sin lookup for one RopeConfig; positions index rows. Grows on demand."""
+
+    def __init__(self, rope: RopeConfig, max_position: int, device: torch.device | str = "cpu"):
+        self.rope = rope
+        self.inv_freq = inv_frequencies(rope).to(device)
+        self._build(max(max_position, 1))
+
+    def _build(self, n: int) -> None:
+        freqs = torch.arange(n, dtype=torch.float32, device=self.inv_freq.device)[:, None] * self.inv_freq
+        scale = self.rope.attention_factor or 1.0
+        self.cos, self.sin = freqs.cos() * scale, freqs.sin() * scale
+
+    def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """[N, dim // 2] cos and sin for each position."""
+        if positions.numel() and int(positions.max()) >= self.cos.shape[0]:
+            self._build(2 * int(positions.max()) + 1)
+        return self.cos[positions], self.sin[positions]
+
+
+def rotate_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate pairs (2i, 2i+1) of x [..., N, (H,) dim] keeping the interleaved layout.
+
+    cos/sin are [N, dim // 2]; x may carry a head axis between N and dim.
+    """
+    while cos.dim() < x.dim():
+        cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
+    xf = x.float()
+    even, odd = xf[..., 0::2], xf[..., 1::2]
+    out = torch.stack((even * cos - odd * sin, odd * cos + even * sin), dim=-1).flatten(-2)
+    return out.to(x.dtype)
+
+
+def rotate_tail(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Interleaved rotation of the trailing rope slice of x; leading (nope) channels untouched."""
+    rope_dim = 2 * cos.shape[-1]
+    return torch.cat([x[..., :-rope_dim], rotate_interleaved(x[..., -rope_dim:], cos, sin)], dim=-1)

@@ -1,0 +1,382 @@
+"""DeepSeek-V4: hybrid sliding / compressed-sparse (CSA) / heavily-compressed (HCA) attention, mHC
+residual streams, hash-routed and learned MoE. Parameter names are DeepSeek's official ones.
+
+Cache layout (see docs/architecture.md): per layer a window ring (state); per compressed layer a
+compressor-input ring (state) and a paged pool of compressed entries; CSA layers also an indexer
+ring and a paged pool of indexer keys. Rings are position-indexed (slot = position % length).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from deepinfer.config import CSA, HCA, SLIDING, ModelConfig
+from deepinfer.layers.attention import sink_attention
+from deepinfer.layers.metadata import CacheTensorSpec, ForwardMeta
+from deepinfer.layers.moe import routed_experts, swiglu
+from deepinfer.layers.norm import RMSNorm, rms_normalize
+from deepinfer.layers.rotary import RotaryTable, rotate_tail
+from deepinfer.models.v4_plan import CompressPlan, WindowPlan, compress_plan, window_plan
+from deepinfer.models.weights import assign_weights
+
+
+class StepContext:
+    """Per-step values shared by all layers: plans, rope tables, token ids."""
+
+    def __init__(self, model: DeepseekV4ForCausalLM, meta: ForwardMeta):
+        self.meta = meta
+        self.cfg = model.config
+        self.rope = {"main": model.rope_main.lookup(meta.positions),
+                     "compress": model.rope_compress.lookup(meta.positions)}
+        self.rope_table = {"main": model.rope_main, "compress": model.rope_compress}
+        self.window: WindowPlan = window_plan(meta, model.config.sliding_window)
+        self._compress: dict[tuple[int, bool], CompressPlan] = {}
+
+    def compress(self, ratio: int, overlap: bool) -> CompressPlan:
+        key = (ratio, overlap)
+        if key not in self._compress:
+            self._compress[key] = compress_plan(self.meta, ratio, overlap)
+        return self._compress[key]
+
+
+class Compressor(nn.Module):
+    """Softmax-gated pooling of `ratio` tokens into one entry. With overlap (CSA) each token
+    projects two series: the first half feeds the next window's entry, the second half its own."""
+
+    def __init__(self, dim: int, head_dim: int, ratio: int, overlap: bool, eps: float):
+        super().__init__()
+        width = head_dim * (2 if overlap else 1)
+        self.ratio, self.overlap, self.head_dim = ratio, overlap, head_dim
+        self.wkv = nn.Linear(dim, width, bias=False)
+        self.wgate = nn.Linear(dim, width, bias=False)
+        self.ape = nn.Parameter(torch.zeros(ratio, width, dtype=torch.float32))
+        self.norm = RMSNorm(head_dim, eps)
+
+    def cache_spec(self, prefix: str, block_size: int, dtype: torch.dtype) -> list[CacheTensorSpec]:
+        span, width = self.ratio * (2 if self.overlap else 1), self.wkv.out_features
+        return [CacheTensorSpec(f"{prefix}.ring", "state", (span, 2 * width), torch.float32),
+                CacheTensorSpec(f"{prefix}.entries", "paged", (block_size // self.ratio, self.head_dim), dtype)]
+
+    def forward(self, x: torch.Tensor, ctx: StepContext, ring: torch.Tensor, pool: torch.Tensor) -> None:
+        """Append the entries of windows completed this step to `pool`, then advance the ring."""
+        plan = ctx.compress(self.ratio, self.overlap)
+        positions = ctx.meta.positions
+        new = torch.cat([self.wkv(x).float(), self.wgate(x).float() + self.ape[positions % self.ratio]], -1)
+        ring_flat = ring.view(-1, ring.shape[-1])
+        if plan.num_new:
+            slots = plan.source.gather(ring_flat, new, plan.slot_idx)  # [Nw, L, 2 * width]
+            entries = self._pool(slots, plan.slot_valid)
+            cos, sin = ctx.rope_table["compress"].lookup(plan.entry_pos)
+            pool.view(-1, self.head_dim)[plan.entry_dst] = rotate_tail(entries, cos, sin).to(pool.dtype)
+        plan.source.write(ring_flat, new)
+
+    def _pool(self, slots: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+        kv, gate = slots.chunk(2, dim=-1)
+        if self.overlap:
+            d, r = self.head_dim, self.ratio
+            kv = torch.cat([kv[:, :r, :d], kv[:, r:, d:]], dim=1)
+            gate = torch.cat([gate[:, :r, :d], gate[:, r:, d:]], dim=1)
+        gate = gate.masked_fill(~valid[..., None], float("-inf"))
+        kv = kv.masked_fill(~valid[..., None], 0.0)
+        pooled = (kv * gate.softmax(dim=1)).sum(dim=1)
+        return self.norm(pooled)
+
+
+class Indexer(nn.Module):
+    """Lightning Indexer: scores compressed entries per query and keeps the top-k."""
+
+    def __init__(self, cfg: ModelConfig, ratio: int):
+        super().__init__()
+        self.n_heads, self.head_dim, self.topk = cfg.index_n_heads, cfg.index_head_dim, cfg.index_topk
+        self.wq_b = nn.Linear(cfg.q_lora_rank, self.n_heads * self.head_dim, bias=False)
+        self.weights_proj = nn.Linear(cfg.hidden_size, self.n_heads, bias=False)
+        self.compressor = Compressor(cfg.hidden_size, self.head_dim, ratio, True, cfg.rms_norm_eps)
+
+    def select(self, x: torch.Tensor, qr: torch.Tensor, ctx: StepContext, pool: torch.Tensor,
+               plan: CompressPlan) -> tuple[torch.Tensor, torch.Tensor]:
+        """Top-k visible entry numbers per query [T, k] and their validity; ties go to the lower index."""
+        q = self.wq_b(qr).view(-1, self.n_heads, self.head_dim)
+        q = rotate_tail(q, *ctx.rope["compress"])
+        keys = pool.view(-1, self.head_dim)[plan.query_entries]  # [T, E, d]
+        scores = F.relu(torch.einsum("thd,ted->the", q.float(), keys.float())) * self.head_dim**-0.5
+        weights = self.weights_proj(x).float() * self.n_heads**-0.5
+        scores = (scores * weights[..., None]).sum(dim=1).masked_fill(~plan.query_valid, float("-inf"))
+        k = min(self.topk, scores.shape[1])
+        order = torch.sort(scores, dim=1, descending=True, stable=True).indices[:, :k]
+        return order, plan.query_valid.gather(1, order)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__()
+        self.kind, self.ratio = cfg.layer_kinds[layer], cfg.compress_ratios[layer]
+        self.n_heads, self.head_dim, self.groups = cfg.num_heads, cfg.head_dim, cfg.o_groups
+        self.rope_kind = "main" if self.kind == SLIDING else "compress"
+        d, eps = cfg.hidden_size, cfg.rms_norm_eps
+        self.wq_a = nn.Linear(d, cfg.q_lora_rank, bias=False)
+        self.q_norm = RMSNorm(cfg.q_lora_rank, eps)
+        self.wq_b = nn.Linear(cfg.q_lora_rank, self.n_heads * self.head_dim, bias=False)
+        self.wkv = nn.Linear(d, self.head_dim, bias=False)
+        self.kv_norm = RMSNorm(self.head_dim, eps)
+        self.wo_a = nn.Linear(self.n_heads * self.head_dim // self.groups, self.groups * cfg.o_lora_rank, bias=False)
+        self.wo_b = nn.Linear(self.groups * cfg.o_lora_rank, d, bias=False)
+        self.attn_sink = nn.Parameter(torch.zeros(self.n_heads, dtype=torch.float32))
+        self.eps = eps
+        if self.kind != SLIDING:
+            self.compressor = Compressor(d, self.head_dim, self.ratio, self.kind == CSA, eps)
+        if self.kind == CSA:
+            self.indexer = Indexer(cfg, self.ratio)
+        self.cache: dict[str, torch.Tensor] = {}
+
+    def cache_spec(self, prefix: str, window: int, block_size: int, dtype: torch.dtype) -> list[CacheTensorSpec]:
+        specs = [CacheTensorSpec(f"{prefix}.window", "state", (window, self.head_dim), dtype)]
+        if self.kind != SLIDING:
+            specs += self.compressor.cache_spec(f"{prefix}.compressor", block_size, dtype)
+        if self.kind == CSA:
+            specs += self.indexer.compressor.cache_spec(f"{prefix}.indexer", block_size, dtype)
+        return specs
+
+    def forward(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+        cos, sin = ctx.rope[self.rope_kind]
+        qr = self.q_norm(self.wq_a(x))
+        q = self.wq_b(qr).view(-1, self.n_heads, self.head_dim)
+        q = rotate_tail(rms_normalize(q, self.eps).to(q.dtype), cos, sin)
+        kv = rotate_tail(self.kv_norm(self.wkv(x)), cos, sin)
+        keys, valid = self._window_keys(kv, ctx.window)
+        if self.kind != SLIDING:
+            extra, extra_valid = self._compressed_keys(x, qr, ctx)
+            keys, valid = torch.cat([keys, extra], 1), torch.cat([valid, extra_valid], 1)
+        out = sink_attention(q, keys, valid, self.attn_sink, self.head_dim**-0.5)
+        out = rotate_tail(out, cos, -sin)  # undo the rope the values carried
+        return self.wo_b(self._grouped_wo_a(out))
+
+    def _window_keys(self, kv: torch.Tensor, plan: WindowPlan) -> tuple[torch.Tensor, torch.Tensor]:
+        ring = self.cache["window"].view(-1, self.head_dim)
+        keys = plan.source.gather(ring, kv, plan.key_idx)
+        plan.source.write(ring, kv)
+        return keys, plan.key_valid
+
+    def _compressed_keys(self, x: torch.Tensor, qr: torch.Tensor, ctx: StepContext):
+        pool = self.cache["compressor.entries"]
+        self.compressor(x, ctx, self.cache["compressor.ring"], pool)
+        plan = ctx.compress(self.ratio, self.kind == CSA)
+        rows, valid = plan.query_entries, plan.query_valid
+        if self.kind == CSA:
+            idx_pool = self.cache["indexer.entries"]
+            self.indexer.compressor(x, ctx, self.cache["indexer.ring"], idx_pool)
+            chosen, valid = self.indexer.select(x, qr, ctx, idx_pool, plan)
+            rows = rows.gather(1, chosen)
+        return pool.view(-1, self.head_dim)[rows], valid
+
+    def _grouped_wo_a(self, out: torch.Tensor) -> torch.Tensor:
+        t = out.shape[0]
+        grouped = out.reshape(t, self.groups, -1).transpose(0, 1)  # [G, T, H*d/G]
+        w = self.wo_a.weight.view(self.groups, -1, grouped.shape[-1])  # [G, o_lora, H*d/G]
+        return torch.bmm(grouped, w.transpose(1, 2)).transpose(0, 1).reshape(t, -1)
+
+
+class Gate(nn.Module):
+    """sqrt-softplus scores; learned layers pick top-k of score + bias, hash layers use tid2eid."""
+
+    def __init__(self, cfg: ModelConfig, is_hash: bool):
+        super().__init__()
+        self.is_hash, self.topk = is_hash, cfg.num_experts_per_tok
+        self.scaling, self.normalize, self.score_fn = cfg.routed_scaling_factor, cfg.norm_topk_prob, cfg.scoring_func
+        self.weight = nn.Parameter(torch.zeros(cfg.n_routed_experts, cfg.hidden_size))
+        if is_hash:
+            self.register_buffer("tid2eid", torch.zeros(cfg.vocab_size, self.topk, dtype=torch.long))
+        else:
+            self.bias = nn.Parameter(torch.zeros(cfg.n_routed_experts, dtype=torch.float32))
+
+    def forward(self, x: torch.Tensor, token_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        scores = _score(F.linear(x.float(), self.weight.float()), self.score_fn)
+        if self.is_hash:
+            ids = self.tid2eid[token_ids]
+        else:
+            ids = torch.topk(scores + self.bias, self.topk, dim=-1).indices
+        weights = scores.gather(1, ids)
+        if self.normalize:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return ids, weights * self.scaling
+
+
+def _score(logits: torch.Tensor, fn: str) -> torch.Tensor:
+    if fn == "sqrtsoftplus":
+        return F.softplus(logits).sqrt()
+    if fn == "sigmoid":
+        return logits.sigmoid()
+    return logits.softmax(dim=-1)
+
+
+class Experts(nn.Module):
+    def __init__(self, n: int, dim: int, inter: int):
+        super().__init__()
+        self.w13 = nn.Parameter(torch.zeros(n, 2 * inter, dim))
+        self.w2 = nn.Parameter(torch.zeros(n, dim, inter))
+
+
+class SharedExpert(nn.Module):
+    def __init__(self, dim: int, inter: int, limit: float):
+        super().__init__()
+        self.w1 = nn.Linear(dim, inter, bias=False)
+        self.w2 = nn.Linear(inter, dim, bias=False)
+        self.w3 = nn.Linear(dim, inter, bias=False)
+        self.limit = limit
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(swiglu(torch.cat([self.w1(x), self.w3(x)], -1), self.limit))
+
+
+class MoE(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__()
+        self.gate = Gate(cfg, cfg.hash_layers[layer])
+        self.experts = Experts(cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size)
+        inter = cfg.moe_intermediate_size * max(cfg.n_shared_experts, 1)
+        self.shared_experts = SharedExpert(cfg.hidden_size, inter, cfg.swiglu_limit)
+        self.limit = cfg.swiglu_limit
+
+    def forward(self, x: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+        ids, weights = self.gate(x, token_ids)
+        routed = routed_experts(x, ids, weights, self.experts.w13, self.experts.w2, self.limit)
+        return routed + self.shared_experts(x)
+
+
+class HyperConnection(nn.Module):
+    """mHC mixing weights from the flattened streams: pre (collapse), post (expand), comb (Sinkhorn)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        n = cfg.hc_mult
+        self.n, self.iters, self.eps, self.norm_eps = n, cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.rms_norm_eps
+        self.fn = nn.Parameter(torch.zeros((2 + n) * n, n * cfg.hidden_size, dtype=torch.float32))
+        self.base = nn.Parameter(torch.zeros((2 + n) * n, dtype=torch.float32))
+        self.scale = nn.Parameter(torch.ones(3, dtype=torch.float32))
+
+    def forward(self, streams: torch.Tensor):
+        """streams [T, n, D] -> (post [T, n], comb [T, n, n], collapsed [T, D])."""
+        n = self.n
+        mixes = F.linear(rms_normalize(streams.flatten(1), self.norm_eps), self.fn)
+        pre_w, post_w, comb_w = mixes.split([n, n, n * n], dim=-1)
+        pre_b, post_b, comb_b = self.base.split([n, n, n * n])
+        pre = torch.sigmoid(pre_w * self.scale[0] + pre_b) + self.eps
+        post = 2 * torch.sigmoid(post_w * self.scale[1] + post_b)
+        comb = torch.softmax(comb_w.view(-1, n, n) * self.scale[2] + comb_b.view(n, n), dim=-1) + self.eps
+        comb = comb / (comb.sum(dim=-2, keepdim=True) + self.eps)
+        for _ in range(self.iters - 1):
+            comb = comb / (comb.sum(dim=-1, keepdim=True) + self.eps)
+            comb = comb / (comb.sum(dim=-2, keepdim=True) + self.eps)
+        collapsed = (pre.unsqueeze(-1) * streams.float()).sum(dim=1).to(streams.dtype)
+        return post, comb, collapsed
+
+
+def hc_mix(streams: torch.Tensor, out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+    """X'[k] = post_k * out + sum_j comb[j, k] X[j]."""
+    dtype = streams.dtype
+    return post.to(dtype).unsqueeze(-1) * out.unsqueeze(1) + torch.matmul(comb.to(dtype).transpose(1, 2), streams)
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__()
+        self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.attn = Attention(cfg, layer)
+        self.ffn = MoE(cfg, layer)
+        self.hc_attn = HyperConnection(cfg)
+        self.hc_ffn = HyperConnection(cfg)
+
+    def forward(self, streams: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+        post, comb, collapsed = self.hc_attn(streams)
+        streams = hc_mix(streams, self.attn(self.attn_norm(collapsed), ctx), post, comb)
+        post, comb, collapsed = self.hc_ffn(streams)
+        return hc_mix(streams, self.ffn(self.ffn_norm(collapsed), ctx.meta.input_ids), post, comb)
+
+
+# Official flat names of the mHC parameters <-> module attributes.
+_HC_RENAMES = {"hc_attn_fn": "hc_attn.fn", "hc_attn_base": "hc_attn.base", "hc_attn_scale": "hc_attn.scale",
+               "hc_ffn_fn": "hc_ffn.fn", "hc_ffn_base": "hc_ffn.base", "hc_ffn_scale": "hc_ffn.scale",
+               "hc_head_fn": "hc_head.fn", "hc_head_base": "hc_head.base", "hc_head_scale": "hc_head.scale"}
+
+
+class HyperHead(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        n = cfg.hc_mult
+        self.eps, self.norm_eps = cfg.hc_eps, cfg.rms_norm_eps
+        self.fn = nn.Parameter(torch.zeros(n, n * cfg.hidden_size, dtype=torch.float32))
+        self.base = nn.Parameter(torch.zeros(n, dtype=torch.float32))
+        self.scale = nn.Parameter(torch.ones(1, dtype=torch.float32))
+
+    def forward(self, streams: torch.Tensor) -> torch.Tensor:
+        mixes = F.linear(rms_normalize(streams.flatten(1), self.norm_eps), self.fn)
+        pre = torch.sigmoid(mixes * self.scale + self.base) + self.eps
+        return (pre.unsqueeze(-1) * streams.float()).sum(dim=1).to(streams.dtype)
+
+
+class DeepseekV4ForCausalLM(nn.Module):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
+        super().__init__()
+        self.config, self.dtype = config, dtype
+        self.embed = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(Block(config, i) for i in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.hc_head = HyperHead(config)
+        self.mtp_weights: dict[str, torch.Tensor] = {}
+        self.to(device=device)
+        self._cast_compute_weights(dtype)
+        self.rope_main = RotaryTable(config.rope_main, min(config.max_position, 8192), device)
+        self.rope_compress = RotaryTable(config.rope_compress, min(config.max_position, 8192), device)
+
+    def _cast_compute_weights(self, dtype: torch.dtype) -> None:
+        """Projections run in `dtype`; norms, sinks, ape, mHC and router biases stay float32."""
+        for module in self.modules():
+            if isinstance(module, (nn.Linear, nn.Embedding, Experts)):
+                module.to(dtype)
+
+    # --- cache -----------------------------------------------------------------------------------
+    def kv_cache_spec(self, block_size: int) -> list[CacheTensorSpec]:
+        for ratio in set(self.config.compress_ratios) - {0}:
+            if block_size % ratio:
+                raise ValueError(f"block_size {block_size} must be a multiple of every compress ratio "
+                                 f"{sorted(set(self.config.compress_ratios) - {0})}")
+        specs = []
+        for i, layer in enumerate(self.layers):
+            specs += layer.attn.cache_spec(f"layers.{i}", self.config.sliding_window, block_size, self.dtype)
+        return specs
+
+    def bind_kv_cache(self, tensors: dict[str, torch.Tensor]) -> None:
+        for i, layer in enumerate(self.layers):
+            prefix = f"layers.{i}."
+            layer.attn.cache = {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}
+
+    # --- compute ---------------------------------------------------------------------------------
+    def forward(self, meta: ForwardMeta) -> torch.Tensor:
+        ctx = StepContext(self, meta)
+        x = self.embed(meta.input_ids)
+        streams = x.unsqueeze(1).expand(-1, self.config.hc_mult, -1).contiguous()
+        for layer in self.layers:
+            streams = layer(streams, ctx)
+        return self.norm(self.hc_head(streams))
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.head(hidden).float()
+
+    # --- weights ---------------------------------------------------------------------------------
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor, str]]) -> None:
+        assign_weights(self, self._internal_names(weights))
+
+    def _internal_names(self, weights):
+        for name, tensor, source in weights:
+            if name.startswith("mtp."):
+                self.mtp_weights[name] = tensor
+                continue
+            head, _, leaf = name.rpartition(".")
+            if leaf in _HC_RENAMES:
+                name = f"{head}.{_HC_RENAMES[leaf]}" if head else _HC_RENAMES[leaf]
+            yield name, tensor, source

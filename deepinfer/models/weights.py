@@ -1,0 +1,66 @@
+"""Copy checkpoint tensors into a model's parameters, stacking per-expert tensors."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+# Per-expert checkpoint leaves -> (stacked parameter, which half of w13 or None for w2).
+EXPERT_LEAVES = {"w1": ("w13", 0), "w3": ("w13", 1), "w2": ("w2", None),
+                 "gate_proj": ("w13", 0), "up_proj": ("w13", 1), "down_proj": ("w2", None)}
+_EXPERT = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<idx>\d+)\.(?P<leaf>\w+)\.weight$")
+
+
+def _checkpoint_error(message: str) -> Exception:
+    from deepinfer.models.loader import CheckpointError
+
+    return CheckpointError(message)
+
+
+def _target(params: dict[str, torch.Tensor], name: str) -> tuple[str, torch.Tensor, tuple]:
+    """(parameter name, parameter, index into it) for a checkpoint tensor name."""
+    m = _EXPERT.match(name)
+    if m and m["leaf"] in EXPERT_LEAVES:
+        stacked, half = EXPERT_LEAVES[m["leaf"]]
+        pname = f"{m['prefix']}.{stacked}"
+        if pname in params:
+            param, e = params[pname], int(m["idx"])
+            if half is None:
+                return pname, param, (e,)
+            inter = param.shape[1] // 2
+            return pname, param, (e, slice(half * inter, (half + 1) * inter))
+    if name in params:
+        return name, params[name], ()
+    raise KeyError(name)
+
+
+def assign_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor, str]]) -> None:
+    """Copy every tensor into the model; unknown names, bad shapes and missing tensors raise."""
+    params = dict(model.named_parameters()) | dict(model.named_buffers())
+    filled: dict[str, int] = {}
+    with torch.no_grad():
+        for name, tensor, source in weights:
+            try:
+                pname, param, index = _target(params, name)
+            except KeyError:
+                raise _checkpoint_error(f"{source}: unknown tensor {name!r} for {type(model).__name__}") from None
+            dst = param[index] if index else param
+            if tuple(dst.shape) != tuple(tensor.shape):
+                raise _checkpoint_error(f"{source}: tensor {name!r} has shape {tuple(tensor.shape)}, "
+                                        f"expected {tuple(dst.shape)}")
+            dst.copy_(tensor.to(dst.dtype))
+            filled[pname] = filled.get(pname, 0) + 1
+    _check_complete(model, params, filled)
+
+
+def _check_complete(model: nn.Module, params: dict, filled: dict[str, int]) -> None:
+    missing = [n for n in params if n not in filled and not n.startswith("rope_")]
+    partial = [n for n, p in params.items() if n.endswith((".w13", ".w2")) and n in filled
+               and filled[n] < p.shape[0] * (2 if n.endswith(".w13") else 1)]
+    if missing or partial:
+        shown = ", ".join((missing + partial)[:5])
+        raise _checkpoint_error(f"checkpoint is missing {len(missing) + len(partial)} tensor(s) for "
+                                f"{type(model).__name__}: {shown}{' ...' if len(missing) + len(partial) > 5 else ''}")
