@@ -1,0 +1,8 @@
+"""deepinfer: an inference and serving engine for the DeepSeek model family."""
+
+from deepinfer.llm import LLM
+from deepinfer.outputs import CompletionOutput, RequestOutput
+from deepinfer.sampling_params import SamplingParams
+
+__version__ = "0.1.0"
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "__version__"]

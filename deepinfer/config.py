@@ -255,17 +255,52 @@ def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
     return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
 
 
-def _mla_from_dict(raw: dict) -> ModelConfig:
-    rope_dim = int(raw["qk_rope_head_dim"])
+_MLA_TOPK_METHODS = {"deepseek_v2": ("greedy", "group_limited_greedy"), "deepseek_v3": ("noaux_tc",)}
+
+
+def _mla_rope(raw: dict) -> RopeConfig:
+    """RoPE of the qk_rope slice; YaRN cos/sin carry mscale(f, mscale) / mscale(f, mscale_all_dim)."""
     rp = dict(raw.get("rope_scaling") or raw.get("rope_parameters") or {})
     rp.setdefault("rope_theta", raw.get("rope_theta", 10000.0))
-    rope = _rope_from(rp, float(rp["rope_theta"]), rope_dim)
+    if rp.get("rope_type", rp.get("type")) == "yarn":
+        if rp.get("truncate") is False:
+            raise ConfigError("yarn rope with truncate=false is not supported")
+        # transformers derives a missing original length / factor from max_position_embeddings
+        max_pos = int(raw.get("max_position_embeddings", 4096))
+        rp.setdefault("original_max_position_embeddings", max_pos)
+        if rp.get("factor") is None:
+            rp["factor"] = max_pos / int(rp["original_max_position_embeddings"])
+    rope = _rope_from(rp, float(rp["rope_theta"]), int(raw["qk_rope_head_dim"]))
     if rope.is_yarn and rope.attention_factor == 0.0:
         af = _yarn_mscale(rope.factor, rope.mscale) / _yarn_mscale(rope.factor, rope.mscale_all_dim) \
             if rope.mscale and rope.mscale_all_dim else _yarn_mscale(rope.factor)
         rope = RopeConfig(**{**rope.__dict__, "attention_factor": af})
-    qk_head_dim = int(raw["qk_nope_head_dim"]) + rope_dim
-    scale = qk_head_dim**-0.5
+    return rope
+
+
+def _mla_topk_method(raw: dict) -> str:
+    """transformers' V3 router is always noaux_tc (topk_method ignored); V2 knows greedy / group-limited."""
+    mt = raw["model_type"]
+    if mt == "deepseek_v3":
+        return "noaux_tc"
+    method = str(raw.get("topk_method") or "greedy")
+    if method not in _MLA_TOPK_METHODS[mt]:
+        known = ", ".join(_MLA_TOPK_METHODS[mt])
+        raise ConfigError(f"{mt} topk_method {method!r} is not supported ({known} are)")
+    return method
+
+
+def _mla_check(raw: dict) -> None:
+    if raw.get("attention_bias") or raw.get("mlp_bias"):
+        raise ConfigError("attention_bias / mlp_bias are not supported (no DeepSeek checkpoint uses them)")
+    if raw.get("hidden_act", "silu") != "silu":
+        raise ConfigError(f"hidden_act {raw['hidden_act']!r} is not supported (silu is)")
+
+
+def _mla_from_dict(raw: dict) -> ModelConfig:
+    _mla_check(raw)
+    rope = _mla_rope(raw)
+    scale = (int(raw["qk_nope_head_dim"]) + rope.dim) ** -0.5
     if rope.is_yarn and rope.mscale_all_dim:
         scale *= _yarn_mscale(rope.factor, rope.mscale_all_dim) ** 2
     is_v2 = raw["model_type"] == "deepseek_v2"
@@ -274,17 +309,19 @@ def _mla_from_dict(raw: dict) -> ModelConfig:
         q_lora_rank=int(raw.get("q_lora_rank") or 0),
         kv_lora_rank=int(raw["kv_lora_rank"]),
         qk_nope_head_dim=int(raw["qk_nope_head_dim"]),
-        qk_rope_head_dim=rope_dim,
+        qk_rope_head_dim=rope.dim,
         v_head_dim=int(raw["v_head_dim"]),
         intermediate_size=int(raw["intermediate_size"]),
-        first_k_dense_replace=int(raw.get("first_k_dense_replace", 0)),
-        moe_layer_freq=int(raw.get("moe_layer_freq", 1)),
+        first_k_dense_replace=int(raw.get("first_k_dense_replace") or 0),
+        moe_layer_freq=int(raw.get("moe_layer_freq") or 1),
         n_group=int(raw.get("n_group") or 1),
         topk_group=int(raw.get("topk_group") or 1),
-        topk_method=str(raw.get("topk_method") or ("greedy" if is_v2 else "noaux_tc")),
-        rope_interleave=bool(raw.get("rope_interleave", True)),
+        topk_method=_mla_topk_method(raw),
+        # V2 rotates interleaved pairs (complex multiply) and has no rope_interleave switch
+        rope_interleave=True if is_v2 else bool(raw.get("rope_interleave", True)),
         rope=rope,
         softmax_scale=scale,
+        extra={"tie_word_embeddings": bool(raw.get("tie_word_embeddings", False))},
     )
 
 
@@ -304,14 +341,6 @@ def resolve_dtype(dtype: str | torch.dtype, hf_dtype: str = "bfloat16", device: 
 
 
 @dataclass(frozen=True)
-class CacheConfig:
-    block_size: int = 0  # 0: the model's default
-    kv_cache_memory_bytes: int | None = None
-    gpu_memory_utilization: float = 0.9  # fraction of free memory when no byte budget is given
-    cpu_kv_cache_fraction: float = 0.1  # fraction of available RAM on CPU
-
-
-@dataclass(frozen=True)
 class SchedulerConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
@@ -324,3 +353,35 @@ class SchedulerConfig:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")
         if self.policy not in ("fcfs", "priority"):
             raise ValueError(f"scheduling policy must be fcfs or priority, got {self.policy!r}")
+
+
+@dataclass(frozen=True)
+class EngineArgs:
+    """Every engine option of the offline API and the server; unknown names are rejected."""
+
+    dtype: str = "auto"
+    device: str = "cpu"
+    seed: int = 0
+    block_size: int = 0
+    kv_cache_memory_bytes: int | None = None
+    gpu_memory_utilization: float = 0.9
+    cpu_kv_cache_fraction: float = 0.1
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 0
+    enable_chunked_prefill: bool = True
+    scheduling_policy: str = "fcfs"
+    load_progress: bool = True
+
+    @classmethod
+    def from_kwargs(cls, **kwargs) -> EngineArgs:
+        known = set(cls.__dataclass_fields__)
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise ValueError(f"unknown engine option(s) {unknown}; valid options: {sorted(known)}")
+        return cls(**kwargs)
+
+    def scheduler_config(self, max_model_len: int) -> SchedulerConfig:
+        return SchedulerConfig(max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
+                               max_model_len=max_model_len, enable_chunked_prefill=self.enable_chunked_prefill,
+                               policy=self.scheduling_policy)

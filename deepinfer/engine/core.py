@@ -1,0 +1,107 @@
+"""EngineCore: schedule -> execute -> update, plus request admission and validation."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+
+from deepinfer.config import EngineArgs, ModelConfig, resolve_dtype
+from deepinfer.engine.kv_cache import KVCacheManager
+from deepinfer.engine.outputs import RunnerOutput
+from deepinfer.engine.scheduler import Scheduler
+from deepinfer.models.loader import iter_checkpoint
+from deepinfer.models.registry import default_block_size, model_class
+from deepinfer.request import Request, RequestStatus
+from deepinfer.sampling_params import SamplingParams
+from deepinfer.worker.model_runner import ModelRunner, available_memory_bytes, plan_cache
+
+logger = logging.getLogger("deepinfer")
+
+
+def load_model(path: str | Path, config: ModelConfig, dtype: torch.dtype, device: torch.device,
+               progress: bool = False) -> torch.nn.Module:
+    model = model_class(config)(config, dtype=dtype, device=device)
+    model.load_weights(iter_checkpoint(path, config.model_type, progress=progress))
+    return model.eval()
+
+
+class EngineCore:
+    def __init__(self, model: str | Path, args: EngineArgs | None = None):
+        self.args = args = args or EngineArgs()
+        self.device = torch.device(args.device)
+        self.model_config = ModelConfig.from_hf(model)
+        self.dtype = resolve_dtype(args.dtype, self.model_config.hf_dtype, self.device.type)
+        torch.manual_seed(args.seed)
+        self.model = load_model(model, self.model_config, self.dtype, self.device, args.load_progress)
+        self.max_model_len = args.max_model_len or self.model_config.max_position
+        self.layout = self._plan_cache()
+        logger.info(self.layout.describe())
+        self.runner = ModelRunner(self.model, self.layout, self.device)
+        self.kv = KVCacheManager(self.layout.num_blocks, self.layout.block_size, self.layout.num_state_slots)
+        self.scheduler = Scheduler(args.scheduler_config(self.max_model_len), self.kv, self.max_model_len)
+        self.last_result = RunnerOutput()
+
+    def _plan_cache(self):
+        block_size = self.args.block_size or default_block_size(self.model_config)
+        specs = self.model.kv_cache_spec(block_size)
+        budget = self.args.kv_cache_memory_bytes
+        if budget is None:
+            fraction = self.args.gpu_memory_utilization if self.device.type == "cuda" else self.args.cpu_kv_cache_fraction
+            budget = int(available_memory_bytes(self.device) * fraction)
+        useful = self.args.max_num_seqs * -(-self.max_model_len // block_size)
+        return plan_cache(specs, block_size, self.args.max_num_seqs, budget, useful)
+
+    # --- requests ------------------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    priority: int = 0) -> list[Request]:
+        """Validate and queue; returns the n sample requests. Raises ValueError and queues nothing."""
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"request {request_id}: sampling params must be SamplingParams, got {type(params)}")
+        max_out = self._validate(request_id, prompt_token_ids, params)
+        ids = [request_id] if params.n == 1 else [f"{request_id}-{i}" for i in range(params.n)]
+        if any(i in self.scheduler.requests for i in ids):
+            raise ValueError(f"request id {request_id!r} is already in use")
+        requests = []
+        for i, rid in enumerate(ids):
+            req = Request(rid, list(prompt_token_ids), params, max_out, priority=priority,
+                          eos_token_ids=self.model_config.eos_token_ids, sample_index=i,
+                          fork_of=requests[0] if i else None)
+            requests.append(req)
+            self.scheduler.add(req)
+        return requests
+
+    def _validate(self, request_id: str, prompt: list[int], params: SamplingParams) -> int:
+        n = len(prompt)
+        if n == 0:
+            raise ValueError(f"request {request_id}: the prompt is empty")
+        bad = [t for t in prompt if not isinstance(t, int) or not 0 <= t < self.model_config.vocab_size]
+        if bad:
+            raise ValueError(f"request {request_id}: token id {bad[0]!r} is outside the vocabulary "
+                             f"[0, {self.model_config.vocab_size})")
+        if n >= self.max_model_len:
+            raise ValueError(f"request {request_id}: the prompt has {n} tokens but the model's context is "
+                             f"{self.max_model_len} tokens (at least one must be left for the output)")
+        if not self.kv.can_hold(n + 1):
+            raise ValueError(f"request {request_id}: {n} prompt tokens cannot fit in the KV cache "
+                             f"({self.layout.num_tokens} tokens)")
+        room = self.max_model_len - n
+        return room if params.max_tokens is None else min(params.max_tokens, room)
+
+    def abort(self, request_id: str, status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> Request | None:
+        return self.scheduler.finish(request_id, status)
+
+    @property
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished
+
+    # --- stepping ------------------------------------------------------------------------------
+    def step(self) -> list[Request]:
+        """Run one step; returns every request whose state changed (finished ones included)."""
+        out = self.scheduler.schedule()
+        if out.is_empty:
+            self.last_result = RunnerOutput()
+            return []
+        self.last_result = self.runner.execute(out)
+        return self.scheduler.update(out, self.last_result)

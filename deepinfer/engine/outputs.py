@@ -1,0 +1,52 @@
+"""The contract between the scheduler (what to compute) and the model runner (tensors)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from deepinfer.engine.kv_cache import ForkCopy
+from deepinfer.request import Request
+
+
+@dataclass
+class ScheduledRequest:
+    request: Request
+    num_new_tokens: int
+    block_ids: list[int]
+    state_slot: int
+
+    @property
+    def start(self) -> int:
+        return self.request.num_computed_tokens
+
+    @property
+    def samples(self) -> bool:
+        """A request samples when this step brings its cache up to all of its tokens."""
+        return self.start + self.num_new_tokens == self.request.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    forks: list[ForkCopy] = field(default_factory=list)
+    fork_children: list[Request] = field(default_factory=list)  # parallel to forks
+    preempted: list[str] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+@dataclass
+class RunnerOutput:
+    """Per request id: the sampled token, its logprob info, and prompt logprobs computed this step."""
+
+    sampled: dict[str, int] = field(default_factory=dict)
+    logprobs: dict[str, tuple[list[int], list[float], int]] = field(default_factory=dict)  # ids, lps, rank
+    prompt_logprobs: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = field(default_factory=dict)

@@ -1,0 +1,201 @@
+"""Token-budget scheduler. There are no prefill or decode phases: every running request has
+`num_computed_tokens` catching up to `num_tokens`, and each step hands out at most
+`max_num_batched_tokens` new tokens over at most `max_num_seqs` requests. Chunked prefill,
+decode, recompute after preemption and forked samples are all that one rule.
+
+Invariants: a running request holds blocks for every position it computes this step and a state
+slot; a waiting request holds nothing; a finished request holds nothing.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from deepinfer.config import SchedulerConfig
+from deepinfer.engine.kv_cache import KVCacheManager
+from deepinfer.engine.outputs import RunnerOutput, ScheduledRequest, SchedulerOutput
+from deepinfer.request import Request, RequestStatus
+
+
+def admission_key(request: Request, policy: str) -> tuple:
+    """Order of the waiting queue: arrival (fcfs), or priority then arrival (lower value first)."""
+    if policy == "priority":
+        return (request.priority, request.arrival_time)
+    return (request.arrival_time,)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int):
+        self.config, self.kv, self.max_model_len = config, kv, max_model_len
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.pending_forks: dict[str, list[Request]] = {}  # parent id -> siblings waiting to fork
+
+    # --- admission ---------------------------------------------------------------------------
+    def add(self, request: Request) -> None:
+        self.requests[request.request_id] = request
+        if request.fork_of is not None:
+            self.pending_forks.setdefault(request.fork_of.request_id, []).append(request)
+            return
+        self._enqueue(request)
+
+    def _enqueue(self, request: Request) -> None:
+        request.status = RequestStatus.WAITING
+        if self.config.policy == "fcfs":
+            self.waiting.append(request)
+            return
+        key = admission_key(request, self.config.policy)
+        idx = next((i for i, r in enumerate(self.waiting) if admission_key(r, self.config.policy) > key),
+                   len(self.waiting))
+        self.waiting.insert(idx, request)
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running or self.pending_forks)
+
+    # --- one step ----------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        if self.config.policy == "priority":
+            self.running.sort(key=lambda r: admission_key(r, "priority"))
+        budget = self._schedule_running(out, budget)
+        self._schedule_waiting(out, budget)
+        self._schedule_forks(out)
+        return out
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            if not self._allocate_or_preempt(req, n, out):
+                continue  # req itself was preempted; self.running shrank
+            out.scheduled.append(self._scheduled(req, n))
+            budget -= n
+            i += 1
+        return budget
+
+    def _allocate_or_preempt(self, req: Request, n: int, out: SchedulerOutput) -> bool:
+        """Allocate for req, preempting the lowest-priority running requests (last first) as needed."""
+        while not self.kv.allocate(req.request_id, req.num_computed_tokens + n):
+            victim = self._pick_victim()
+            self._preempt(victim, out)
+            if victim is req:
+                return False
+        return True
+
+    def _pick_victim(self) -> Request:
+        """The last running request: latest arrival (fcfs) or lowest priority (running is sorted)."""
+        return self.running[-1]
+
+    def _preempt(self, req: Request, out: SchedulerOutput) -> None:
+        """Recompute-style preemption: drop the cache, keep the tokens, go back to the queue front."""
+        self.kv.free(req.request_id)
+        self.running.remove(req)
+        out.scheduled = [s for s in out.scheduled if s.request is not req]
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        req.status = RequestStatus.WAITING
+        self.waiting.appendleft(req)
+        out.preempted.append(req.request_id)
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            req = self.waiting[0]
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            if n < req.num_tokens and not self.config.enable_chunked_prefill:
+                return
+            if not self.kv.allocate(req.request_id, n):
+                return
+            self.waiting.popleft()
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            out.scheduled.append(self._scheduled(req, n))
+            budget -= n
+
+    def _schedule_forks(self, out: SchedulerOutput) -> None:
+        """Siblings of a request finishing its prompt this step share its cache instead of prefilling."""
+        for s in list(out.scheduled):
+            parent = s.request
+            siblings = self.pending_forks.get(parent.request_id)
+            if not siblings or not s.samples or parent.output_token_ids:
+                continue
+            for child in list(siblings):
+                if len(self.running) >= self.config.max_num_seqs:
+                    break
+                copy = self.kv.fork(parent.request_id, child.request_id, parent.num_tokens)
+                if copy is None:
+                    break
+                siblings.remove(child)
+                child.status = RequestStatus.RUNNING
+                child.num_computed_tokens = parent.num_tokens
+                self.running.append(child)
+                out.forks.append(copy)
+                out.fork_children.append(child)
+            self._release_siblings(parent.request_id)
+
+    def _release_siblings(self, parent_id: str) -> None:
+        """Siblings that could not fork prefill on their own."""
+        for child in self.pending_forks.pop(parent_id, []):
+            child.fork_of = None
+            self._enqueue(child)
+
+    def _scheduled(self, req: Request, n: int) -> ScheduledRequest:
+        return ScheduledRequest(req, n, self.kv.blocks[req.request_id], self.kv.slots[req.request_id])
+
+    # --- results -----------------------------------------------------------------------------
+    def update(self, out: SchedulerOutput, result: RunnerOutput) -> list[Request]:
+        """Advance computed counts, append sampled tokens, finish requests; returns touched requests."""
+        touched = []
+        for s in out.scheduled:
+            req = s.request
+            req.num_computed_tokens += s.num_new_tokens
+            if req.request_id in result.sampled:
+                self._append(req, result.sampled[req.request_id])
+            touched.append(req)
+        for fork in out.forks:
+            child = self.requests[fork.child_id]
+            self._append(child, result.sampled[child.request_id])
+            touched.append(child)
+        return touched
+
+    def _append(self, req: Request, token: int) -> None:
+        req.output_token_ids.append(token)
+        status = stop_status(req, token, self.max_model_len)
+        if status is not None:
+            self.finish(req.request_id, status)
+
+    def finish(self, request_id: str, status: RequestStatus) -> Request | None:
+        """Finish (or abort) a request wherever it is and return its resources."""
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return None
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        for siblings in self.pending_forks.values():
+            if req in siblings:
+                siblings.remove(req)
+        if req.request_id in self.pending_forks:
+            self._release_siblings(req.request_id)
+        self.kv.free(req.request_id)
+        req.status = status
+        return req
+
+
+def stop_status(req: Request, token: int, max_model_len: int) -> RequestStatus | None:
+    """Token-level stop rules (stop strings are the detokenizer's): EOS, stop ids, length."""
+    params, n_out = req.params, len(req.output_token_ids)
+    if n_out >= params.min_tokens:
+        if not params.ignore_eos and token in req.eos_token_ids:
+            req.stop_reason = None
+            return RequestStatus.FINISHED_STOPPED
+        if params.stop_token_ids and token in params.stop_token_ids:
+            req.stop_reason = token
+            return RequestStatus.FINISHED_STOPPED
+    if n_out >= req.max_output_tokens or req.num_tokens >= max_model_len:
+        return RequestStatus.FINISHED_LENGTH
+    return None

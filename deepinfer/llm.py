@@ -1,0 +1,155 @@
+"""The offline API: `LLM(model).generate(prompts, SamplingParams)`, drop-in for vLLM's."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from deepinfer.config import EngineArgs
+from deepinfer.engine.core import EngineCore
+from deepinfer.engine.output_processor import OutputProcessor
+from deepinfer.outputs import RequestOutput
+from deepinfer.sampling_params import SamplingParams
+from deepinfer.tokenizer import Tokenizer
+
+logger = logging.getLogger("deepinfer")
+
+PromptType = str | list[int] | dict
+
+
+def default_model_path() -> Path:
+    """The bundled default checkpoint shipped inside the package."""
+    return Path(__file__).parent / "assets" / "default-model"
+
+
+def resolve_model(model: str | Path | None) -> tuple[Path, bool]:
+    """(checkpoint directory, whether it is the bundled default)."""
+    if model is not None:
+        path = Path(model)
+        if not path.exists():
+            raise ValueError(f"model path {str(model)!r} does not exist (deepinfer loads local checkpoints only)")
+        return path, False
+    path = default_model_path()
+    if not (path / "config.json").exists():
+        raise ValueError("no model given and the bundled default model is not installed; pass --model PATH")
+    return path, True
+
+
+class LLM:
+    def __init__(self, model: str | Path | None = None, tokenizer: str | Path | None = None, **engine_options):
+        path, bundled = resolve_model(model)
+        if bundled:
+            print(f"deepinfer: using the bundled default model ({path.name})")
+        self.engine = EngineCore(path, EngineArgs.from_kwargs(**engine_options))
+        tok_dir = Path(tokenizer) if tokenizer else path
+        self.tokenizer = Tokenizer.from_dir(tok_dir) if (tok_dir / "tokenizer.json").exists() else None
+        self.processor = OutputProcessor(self.tokenizer)
+        self._ids = itertools.count()
+
+    def get_tokenizer(self) -> Tokenizer | None:
+        return self.tokenizer
+
+    # --- generate ------------------------------------------------------------------------------
+    def generate(self, prompts: PromptType | Sequence[PromptType],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True, priority: Sequence[int] | None = None) -> list[RequestOutput]:
+        """All prompts are validated before any runs, so a bad one raises ValueError and loses nothing."""
+        items = self._normalise_prompts(prompts)
+        params = self._normalise_params(sampling_params, len(items))
+        prepared = [self._prepare(i, item) for i, item in enumerate(items)]
+        for i, ((_, ids), p) in enumerate(zip(prepared, params)):
+            self.engine._validate(f"prompt {i}", ids, p)
+        ids = [self._add(text, toks, p, (priority or [0] * len(items))[i])
+               for i, ((text, toks), p) in enumerate(zip(prepared, params))]
+        return self._run(ids, use_tqdm)
+
+    def chat(self, messages: list[dict] | Sequence[list[dict]], sampling_params=None, use_tqdm: bool = True,
+             chat_template_kwargs: dict[str, Any] | None = None, add_generation_prompt: bool = True):
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        tok = self._require_tokenizer()
+        prompts = [{"prompt_token_ids": tok.apply_chat_template(c, add_generation_prompt, tokenize=True,
+                                                                **(chat_template_kwargs or {})),
+                    "prompt": tok.apply_chat_template(c, add_generation_prompt, **(chat_template_kwargs or {}))}
+                   for c in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def stream(self, prompt: PromptType, params: SamplingParams | None = None) -> Iterator[str]:
+        """Yield text deltas of one request as tokens come (used by `deepinfer chat`)."""
+        text, ids = self._prepare(0, prompt)
+        rid = self._add(text, ids, params or SamplingParams(), 0)
+        group = self.processor.groups[rid]
+        while True:
+            self._step()
+            detok = group.samples[0].detok
+            finished = group.finished
+            if detok is not None:
+                delta = detok.get_delta(finished)
+                if delta:
+                    yield delta
+            if finished:
+                return
+
+    # --- internals -----------------------------------------------------------------------------
+    def _require_tokenizer(self) -> Tokenizer:
+        if self.tokenizer is None:
+            raise ValueError("this model has no tokenizer.json; pass token ids instead of text")
+        return self.tokenizer
+
+    @staticmethod
+    def _normalise_prompts(prompts) -> list[PromptType]:
+        if isinstance(prompts, (str, dict)):
+            return [prompts]
+        prompts = list(prompts)
+        if prompts and all(isinstance(t, int) for t in prompts):
+            return [prompts]
+        return prompts
+
+    @staticmethod
+    def _normalise_params(params, n: int) -> list[SamplingParams]:
+        if params is None:
+            return [SamplingParams()] * n
+        if isinstance(params, SamplingParams):
+            return [params] * n
+        params = list(params)
+        if len(params) != n:
+            raise ValueError(f"got {len(params)} sampling params for {n} prompts")
+        return params
+
+    def _prepare(self, index: int, item: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(item, str):
+            return item, self._require_tokenizer().encode(item)
+        if isinstance(item, dict):
+            if "prompt_token_ids" in item:
+                return item.get("prompt"), list(item["prompt_token_ids"])
+            if "prompt" in item:
+                return item["prompt"], self._require_tokenizer().encode(item["prompt"])
+            raise ValueError(f"prompt {index}: a dict prompt needs 'prompt' or 'prompt_token_ids'")
+        if isinstance(item, (list, tuple)):
+            return None, list(item)
+        raise ValueError(f"prompt {index}: expected str, token id list or dict, got {type(item).__name__}")
+
+    def _add(self, text: str | None, ids: list[int], params: SamplingParams, priority: int) -> str:
+        rid = str(next(self._ids))
+        requests = self.engine.add_request(rid, ids, params, priority)
+        self.processor.add(rid, text, ids, requests)
+        return rid
+
+    def _step(self) -> list[RequestOutput]:
+        touched = self.engine.step()
+        return self.processor.process(touched, self.engine.last_result, self.engine.abort)
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        done: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(ids), desc="Generating", disable=not use_tqdm or len(ids) < 2)
+        while self.engine.has_unfinished:
+            for out in self._step():
+                if out.finished:
+                    done[out.request_id] = out
+                    bar.update(1)
+        bar.close()
+        return [done[i] for i in ids]

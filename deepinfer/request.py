@@ -1,0 +1,66 @@
+"""A request as the engine sees it: tokens, how many are in the cache, and output bookkeeping."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from deepinfer.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+    FINISHED_ERROR = "error"
+
+    @property
+    def is_finished(self) -> bool:
+        return self not in (RequestStatus.WAITING, RequestStatus.RUNNING)
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    max_output_tokens: int  # max_tokens, capped so prompt + output fits the model length
+    priority: int = 0
+    eos_token_ids: tuple[int, ...] = ()
+    arrival_time: float = field(default_factory=time.monotonic)
+    sample_index: int = 0  # which of the parent's n samples this is
+    fork_of: Request | None = None  # sibling whose prompt cache this one will share
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    stop_reason: int | str | None = None
+    num_preemptions: int = 0
+    generator: torch.Generator | None = None
+
+    def __post_init__(self):
+        if self.params.seed is not None:
+            self.generator = torch.Generator().manual_seed(self.params.seed + self.sample_index)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    def token_ids(self, start: int, stop: int) -> list[int]:
+        """Tokens [start, stop) of prompt + output."""
+        p = len(self.prompt_token_ids)
+        if stop <= p:
+            return self.prompt_token_ids[start:stop]
+        return (self.prompt_token_ids[start:] if start < p else []) + self.output_token_ids[max(start - p, 0):stop - p]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished

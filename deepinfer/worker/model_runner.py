@@ -1,0 +1,178 @@
+"""Turns a SchedulerOutput into tensors, runs the model, samples. Owns the cache tensors."""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+
+from deepinfer.engine.kv_cache import ForkCopy
+from deepinfer.engine.outputs import RunnerOutput, ScheduledRequest, SchedulerOutput
+from deepinfer.layers.metadata import CacheTensorSpec, ForwardMeta
+from deepinfer.worker.sampler import Sampler, SamplingBatch, compute_prompt_logprobs
+
+logger = logging.getLogger("deepinfer")
+
+
+@dataclass(frozen=True)
+class CacheLayout:
+    """How the memory budget was split, reported at start-up."""
+
+    num_blocks: int
+    block_size: int
+    num_state_slots: int
+    bytes_per_block: int
+    bytes_per_slot: int
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_blocks * self.block_size
+
+    @property
+    def bytes_per_token(self) -> float:
+        return self.bytes_per_block / self.block_size
+
+    def describe(self) -> str:
+        total = self.num_blocks * self.bytes_per_block + self.num_state_slots * self.bytes_per_slot
+        return (f"KV cache: {self.num_blocks} blocks x {self.block_size} tokens = {self.num_tokens} tokens "
+                f"({self.bytes_per_token:.0f} B/token), {self.num_state_slots} state slots "
+                f"({self.bytes_per_slot / 2**20:.2f} MiB each), {total / 2**20:.1f} MiB in all")
+
+
+def available_memory_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def plan_cache(specs: list[CacheTensorSpec], block_size: int, num_slots: int, budget_bytes: int,
+               max_useful_blocks: int) -> CacheLayout:
+    """Reserve state slots first, then as many blocks as the budget allows (capped at what can be used)."""
+    per_block = sum(s.bytes_per_unit for s in specs if s.kind == "paged")
+    per_slot = sum(s.bytes_per_unit for s in specs if s.kind == "state")
+    left = budget_bytes - num_slots * per_slot
+    num_blocks = min(left // per_block, max_useful_blocks) if per_block else max_useful_blocks
+    if num_blocks < 1:
+        need = num_slots * per_slot + per_block
+        raise ValueError(f"KV cache budget of {budget_bytes} bytes is too small: {num_slots} state slots "
+                         f"and one block need {need} bytes; lower max_num_seqs or raise kv_cache_memory_bytes")
+    return CacheLayout(int(num_blocks), block_size, num_slots, per_block, per_slot)
+
+
+class ModelRunner:
+    def __init__(self, model: torch.nn.Module, layout: CacheLayout, device: torch.device):
+        self.model, self.layout, self.device = model, layout, device
+        self.vocab_size = model.config.vocab_size
+        self.eos_token_ids = model.config.eos_token_ids
+        self.specs = model.kv_cache_spec(layout.block_size)
+        self.cache = {s.name: self._allocate(s) for s in self.specs}
+        model.bind_kv_cache(self.cache)
+        self.sampler = Sampler()
+
+    def _allocate(self, spec: CacheTensorSpec) -> torch.Tensor:
+        rows = self.layout.num_blocks if spec.kind == "paged" else self.layout.num_state_slots
+        return torch.zeros((rows, *spec.shape), dtype=spec.dtype, device=self.device)
+
+    # --- one step --------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> RunnerOutput:
+        meta, sample_rows, prompt_rows = self._prepare(out.scheduled)
+        hidden = self.model(meta)
+        logits = self.model.compute_logits(hidden[meta.logits_indices])
+        self._apply_forks(out.forks)
+        result = RunnerOutput()
+        self._sample(out, logits, sample_rows, result)
+        self._prompt_logprobs(logits, prompt_rows, result)
+        return result
+
+    def _prepare(self, scheduled: list[ScheduledRequest]):
+        ids, positions, token_req, qstart = [], [], [], [0]
+        sample_rows, prompt_rows = [], []
+        for r, s in enumerate(scheduled):
+            ids += s.request.token_ids(s.start, s.start + s.num_new_tokens)
+            positions += range(s.start, s.start + s.num_new_tokens)
+            token_req += [r] * s.num_new_tokens
+            qstart.append(qstart[-1] + s.num_new_tokens)
+            if s.samples:
+                sample_rows.append((s.request, qstart[-1] - 1))
+            prompt_rows += self._prompt_logprob_rows(s, qstart[-2])
+        meta = ForwardMeta(
+            input_ids=self._long(ids), positions=self._long(positions), token_req=self._long(token_req),
+            block_table=self._block_table(scheduled), state_slots=self._long([s.state_slot for s in scheduled]),
+            logits_indices=self._long([row for _, row in sample_rows] + [row for _, _, row in prompt_rows]),
+            query_start=qstart, seq_starts=[s.start for s in scheduled],
+            seq_lens=[s.start + s.num_new_tokens for s in scheduled], block_size=self.layout.block_size)
+        return meta, sample_rows, prompt_rows
+
+    @staticmethod
+    def _prompt_logprob_rows(s: ScheduledRequest, first_row: int) -> list[tuple]:
+        """(request, target token, row) for prompt positions whose next token is a prompt token."""
+        req = s.request
+        if req.params.prompt_logprobs is None or req.output_token_ids:
+            return []
+        stop = min(s.start + s.num_new_tokens, req.num_prompt_tokens - 1)
+        return [(req, req.prompt_token_ids[p + 1], first_row + p - s.start) for p in range(s.start, stop)]
+
+    def _long(self, values) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.long, device=self.device)
+
+    def _block_table(self, scheduled: list[ScheduledRequest]) -> torch.Tensor:
+        width = max((len(s.block_ids) for s in scheduled), default=1)
+        rows = [s.block_ids + [0] * (width - len(s.block_ids)) for s in scheduled]
+        return self._long(rows)
+
+    def _apply_forks(self, forks: list[ForkCopy]) -> None:
+        for fork in forks:
+            for spec in self.specs:
+                t = self.cache[spec.name]
+                if spec.kind == "state":
+                    t[fork.dst_slot] = t[fork.src_slot]
+                elif fork.src_block is not None:
+                    t[fork.dst_block] = t[fork.src_block]
+
+    # --- sampling --------------------------------------------------------------------------------
+    def _sample(self, out: SchedulerOutput, logits: torch.Tensor, sample_rows: list, result: RunnerOutput):
+        """Sampled requests use their last row; forked children reuse their parent's row."""
+        parent_pos = {req.request_id: i for i, (req, _) in enumerate(sample_rows)}
+        requests = [req for req, _ in sample_rows]
+        rows = list(range(len(sample_rows)))
+        for fork, child in zip(out.forks, out.fork_children):
+            requests.append(child)
+            rows.append(parent_pos[fork.parent_id])
+        if not requests:
+            return
+        batch = SamplingBatch.build(
+            [r.params for r in requests], [r.prompt_token_ids for r in requests],
+            [r.output_token_ids for r in requests], [r.generator for r in requests],
+            self.eos_token_ids, self.vocab_size, self.device)
+        sampled = self.sampler(logits[self._long(rows)], batch)
+        self._record(requests, sampled, result)
+
+    @staticmethod
+    def _record(requests, sampled, result: RunnerOutput) -> None:
+        tokens = sampled.sampled.tolist()
+        lp = sampled.logprobs
+        lp_ids = lp.token_ids.tolist() if lp is not None else None
+        lp_vals = lp.logprobs.tolist() if lp is not None else None
+        lp_ranks = lp.ranks.tolist() if lp is not None else None
+        for i, req in enumerate(requests):
+            result.sampled[req.request_id] = tokens[i]
+            k = req.params.logprobs
+            if lp is not None and k is not None:
+                result.logprobs[req.request_id] = (lp_ids[i][: k + 1], lp_vals[i][: k + 1], lp_ranks[i])
+
+    def _prompt_logprobs(self, logits: torch.Tensor, prompt_rows: list, result: RunnerOutput) -> None:
+        if not prompt_rows:
+            return
+        offset = logits.shape[0] - len(prompt_rows)
+        by_request: dict[str, list[int]] = {}
+        for i, (req, _, _) in enumerate(prompt_rows):
+            by_request.setdefault(req.request_id, []).append(i)
+        for req_id, idx in by_request.items():
+            req = prompt_rows[idx[0]][0]
+            targets = self._long([prompt_rows[i][1] for i in idx])
+            lp = compute_prompt_logprobs(logits[offset + idx[0]: offset + idx[-1] + 1], targets,
+                                         req.params.prompt_logprobs)
+            result.prompt_logprobs[req_id] = (lp.token_ids, lp.logprobs, lp.ranks)
