@@ -9,7 +9,7 @@ import torch
 
 from deepinfer.config import EngineArgs, ModelConfig, resolve_dtype
 from deepinfer.engine.kv_cache import KVCacheManager
-from deepinfer.engine.outputs import RunnerOutput
+from deepinfer.engine.outputs import RunnerOutput, SchedulerOutput
 from deepinfer.engine.scheduler import Scheduler
 from deepinfer.models.loader import iter_checkpoint
 from deepinfer.models.registry import default_block_size, model_class
@@ -42,13 +42,15 @@ class EngineCore:
         self.kv = KVCacheManager(self.layout.num_blocks, self.layout.block_size, self.layout.num_state_slots)
         self.scheduler = Scheduler(args.scheduler_config(self.max_model_len), self.kv, self.max_model_len)
         self.last_result = RunnerOutput()
+        self.last_scheduled = SchedulerOutput()
 
     def _plan_cache(self):
         block_size = self.args.block_size or default_block_size(self.model_config)
         specs = self.model.kv_cache_spec(block_size)
         budget = self.args.kv_cache_memory_bytes
         if budget is None:
-            fraction = self.args.gpu_memory_utilization if self.device.type == "cuda" else self.args.cpu_kv_cache_fraction
+            cuda = self.device.type == "cuda"
+            fraction = self.args.gpu_memory_utilization if cuda else self.args.cpu_kv_cache_fraction
             budget = int(available_memory_bytes(self.device) * fraction)
         useful = self.args.max_num_seqs * -(-self.max_model_len // block_size)
         return plan_cache(specs, block_size, self.args.max_num_seqs, budget, useful)
@@ -99,7 +101,7 @@ class EngineCore:
     # --- stepping ------------------------------------------------------------------------------
     def step(self) -> list[Request]:
         """Run one step; returns every request whose state changed (finished ones included)."""
-        out = self.scheduler.schedule()
+        out = self.last_scheduled = self.scheduler.schedule()
         if out.is_empty:
             self.last_result = RunnerOutput()
             return []

@@ -94,19 +94,21 @@ class OutputProcessor:
 
     def _append_logprobs(self, sample: _Sample, entry: tuple[list[int], list[float], int]) -> None:
         ids, lps, rank = entry
+        sample.logprobs.append(self._logprob_dict(ids, lps, rank))
+        sample.cumulative_logprob += lps[0]
+
+    def _logprob_dict(self, ids: list[int], lps: list[float], rank: int) -> dict[int, Logprob]:
+        """Column 0 is the chosen token (with its true rank), then the top-k by rank."""
         top = {tid: Logprob(lp, i, self._piece(tid)) for i, (tid, lp) in enumerate(zip(ids[1:], lps[1:]), 1)}
         top[ids[0]] = Logprob(lps[0], rank, self._piece(ids[0]))
-        sample.logprobs.append(top)
-        sample.cumulative_logprob += lps[0]
+        return top
 
     def _update_prompt_logprobs(self, group: _Group, chunk) -> None:
         if chunk is None or group.prompt_logprobs is None:
             return
         ids, lps, ranks = (t.tolist() for t in chunk)
         for row_ids, row_lps, rank in zip(ids, lps, ranks):
-            top = {tid: Logprob(lp, i, self._piece(tid)) for i, (tid, lp) in enumerate(zip(row_ids[1:], row_lps[1:]), 1)}
-            top[row_ids[0]] = Logprob(row_lps[0], rank, self._piece(row_ids[0]))
-            group.prompt_logprobs.append(top)
+            group.prompt_logprobs.append(self._logprob_dict(row_ids, row_lps, rank))
 
     def _piece(self, token_id: int) -> str | None:
         return self.tokenizer.decode([token_id], skip_special_tokens=False) if self.tokenizer else None

@@ -16,15 +16,13 @@ class ScheduledRequest:
     num_new_tokens: int
     block_ids: list[int]
     state_slot: int
+    start: int = -1  # tokens already in the cache when scheduled
+    samples: bool = False  # this step brings the cache up to all of the request's tokens
 
-    @property
-    def start(self) -> int:
-        return self.request.num_computed_tokens
-
-    @property
-    def samples(self) -> bool:
-        """A request samples when this step brings its cache up to all of its tokens."""
-        return self.start + self.num_new_tokens == self.request.num_tokens
+    def __post_init__(self):
+        if self.start < 0:
+            self.start = self.request.num_computed_tokens
+        self.samples = self.start + self.num_new_tokens == self.request.num_tokens
 
 
 @dataclass

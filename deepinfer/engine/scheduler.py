@@ -31,6 +31,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.pending_forks: dict[str, list[Request]] = {}  # parent id -> siblings waiting to fork
+        self.num_preemptions = 0
 
     # --- admission ---------------------------------------------------------------------------
     def add(self, request: Request) -> None:
@@ -97,6 +98,7 @@ class Scheduler:
         out.scheduled = [s for s in out.scheduled if s.request is not req]
         req.num_computed_tokens = 0
         req.num_preemptions += 1
+        self.num_preemptions += 1
         req.status = RequestStatus.WAITING
         self.waiting.appendleft(req)
         out.preempted.append(req.request_id)

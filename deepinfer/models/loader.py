@@ -1,0 +1,407 @@
+"""Checkpoint discovery, streaming, dequantisation and tensor-name canonicalisation.
+
+`iter_checkpoint` is the one entry point the models use: it yields `(canonical_name, tensor, file_name)`
+one shard at a time. Quantised weights leave here as float32; their scale tensors are consumed.
+
+Invariants:
+  * every error is a `CheckpointError` naming the file and, when one is involved, the tensor;
+  * a header pass over every shard runs before any tensor data is read, so pairing/naming problems
+    (a weight without its scale, a missing shard, two tensors with one canonical name) fail fast;
+  * at most one shard is open at a time; only a quantised weight or scale whose partner lives in a later
+    shard is held back, until that partner arrives.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+from tqdm import tqdm
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+DEFAULT_BLOCK_SIZE = (128, 128)  # FP8 [out, in] block of one scale (DeepSeek-V3/V4 default)
+FP4_GROUP = 32  # FP4 routed experts: one UE8M0 scale per 32 consecutive inputs of a row (MX layout)
+MODEL_TYPES = ("deepseek_v4", "deepseek_v3", "deepseek_v2")
+
+# safetensors header dtypes of weights that must come with a scale; I8/U8/F4 are packed FP4 (2 codes/byte).
+_FP8_DTYPES = frozenset({"F8_E4M3", "F8_E5M2"})
+_FP4_DTYPES = frozenset({"I8", "U8", "F4"})
+_E8M0 = "F8_E8M0"
+# Scale suffixes, replacing the weight's ".weight". All hold a multiplier: w = q * scale
+# (DeepSeek's "weight_scale_inv" is the inverse of the quantisation scale, i.e. the dequant factor).
+_SCALE_SUFFIXES = (".weight_scale_inv", ".weight_scale", ".scale_inv", ".scale")
+
+# E2M1 code -> value. Bit 3 is the sign; bits 2..1 the exponent (bias 1); bit 0 the mantissa:
+# exponent 0 is subnormal (0, 0.5), else 2^(e-1) * (1 + m/2). Same table as the OCP MX spec and
+# DeepSeek-V4's inference/convert.py FP4_TABLE.
+_E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be loaded; the message names the file and, if relevant, the tensor."""
+
+
+# --- discovery ------------------------------------------------------------------------------------------
+def checkpoint_files(path: str | os.PathLike) -> list[Path]:
+    """The safetensors files of a checkpoint directory, in load order.
+
+    `model.safetensors` wins; else the shards of `model.safetensors.index.json` (validated); else every
+    `*.safetensors` in the directory, sorted. A path to one `.safetensors` file is that file.
+    """
+    return _discover(Path(path))[0]
+
+
+def _discover(root: Path) -> tuple[list[Path], dict[str, str] | None]:
+    """(files, weight_map of the index when the files come from one)."""
+    if root.is_file() and root.suffix == ".safetensors":
+        return [root], None
+    if not root.is_dir():
+        raise CheckpointError(f"{root}: not a checkpoint directory")
+    if (root / SINGLE_FILE).is_file():
+        return [root / SINGLE_FILE], None
+    if (root / INDEX_FILE).is_file():
+        weight_map = read_index(root / INDEX_FILE)
+        return _indexed_shards(root, weight_map), weight_map
+    files = sorted(root.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"{root}: no {SINGLE_FILE}, {INDEX_FILE} or *.safetensors files")
+    return files, None
+
+
+def read_index(index_path: Path) -> dict[str, str]:
+    """The `weight_map` (tensor name -> shard file name) of a safetensors index json."""
+    try:
+        index = json.loads(index_path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{index_path}: not a readable JSON index ({e})") from e
+    weight_map = index.get("weight_map") if isinstance(index, dict) else None
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        raise CheckpointError(f"{index_path}: no 'weight_map' object of tensor name -> shard file name")
+    return weight_map
+
+
+def _indexed_shards(root: Path, weight_map: dict[str, str]) -> list[Path]:
+    for tensor, shard in sorted(weight_map.items()):
+        if not (root / shard).is_file():
+            raise CheckpointError(f"{root / INDEX_FILE}: shard {shard} is missing (it holds {tensor})")
+    if not weight_map:
+        raise CheckpointError(f"{root / INDEX_FILE}: empty weight_map")
+    return [root / shard for shard in sorted(set(weight_map.values()))]
+
+
+# --- names ----------------------------------------------------------------------------------------------
+def _compressor_renames(hf: str, official: str) -> dict[str, str]:
+    return {f"{hf}.position_bias": f"{official}.ape", f"{hf}.kv_proj.weight": f"{official}.wkv.weight",
+            f"{hf}.gate_proj.weight": f"{official}.wgate.weight",
+            f"{hf}.kv_norm.weight": f"{official}.norm.weight"}
+
+
+# Official top-level names, keyed by the names transformers uses (after the "model." prefix is dropped).
+_V4_TOP = {"embed_tokens.weight": "embed.weight", "lm_head.weight": "head.weight",
+           **{f"hc_head.hc_{p}": f"hc_head_{p}" for p in ("fn", "base", "scale")}}
+# Official names inside `layers.N.` / `mtp.K.`, keyed by the alternatives: the official checkpoint's
+# `attn.norm` (main-attention KV norm) and transformers' in-memory module names.
+_V4_BLOCK_RENAMES = {
+    "attn.norm.weight": "attn.kv_norm.weight",
+    "input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
+    **{f"{m}_hc.{p}": f"hc_{m}_{p}" for m in ("attn", "ffn") for p in ("fn", "base", "scale")},
+    "self_attn.sinks": "attn.attn_sink",
+    **{f"self_attn.{hf}.weight": f"attn.{off}.weight" for hf, off in (
+        ("q_a_proj", "wq_a"), ("q_a_norm", "q_norm"), ("q_b_proj", "wq_b"), ("kv_proj", "wkv"),
+        ("kv_norm", "kv_norm"), ("o_a_proj", "wo_a"), ("o_b_proj", "wo_b"))},
+    **_compressor_renames("self_attn.compressor", "attn.compressor"),
+    **_compressor_renames("self_attn.compressor.indexer", "attn.indexer.compressor"),
+    "self_attn.compressor.indexer.q_b_proj.weight": "attn.indexer.wq_b.weight",
+    "self_attn.compressor.indexer.scorer.weights_proj.weight": "attn.indexer.weights_proj.weight",
+    "mlp.gate.weight": "ffn.gate.weight", "mlp.gate.tid2eid": "ffn.gate.tid2eid",
+    "mlp.gate.e_score_correction_bias": "ffn.gate.bias",
+    **{f"mlp.shared_experts.{hf}.weight": f"ffn.shared_experts.{w}.weight" for hf, w in (
+        ("gate_proj", "w1"), ("down_proj", "w2"), ("up_proj", "w3"))},
+}
+_V4_BLOCK = re.compile(r"((?:layers|mtp)\.\d+)\.(.+)")
+_V4_HF_EXPERT = re.compile(r"mlp\.experts\.(\d+)\.(gate|down|up)_proj\.weight")
+_EXPERT_W = {"gate": "w1", "down": "w2", "up": "w3"}
+
+
+def canonical_name(name: str, model_type: str) -> str:
+    """The name deepinfer's models expect. Only renames: unknown names come back (nearly) unchanged.
+
+    deepseek_v4: DeepSeek's official names (`embed.weight`, `layers.N.attn.kv_norm.weight`, `mtp.K.*`, ...)
+    from official, transformers-saved (`model.` prefix) or transformers in-memory names.
+    deepseek_v3 / deepseek_v2: the HF names, unchanged.
+    """
+    if model_type not in MODEL_TYPES:
+        raise ValueError(f"unsupported model_type {model_type!r}; expected one of {MODEL_TYPES}")
+    return _canonical_v4(name) if model_type == "deepseek_v4" else name
+
+
+def _canonical_v4(name: str) -> str:
+    name = name.removeprefix("model.")
+    if name in _V4_TOP:
+        return _V4_TOP[name]
+    block = _V4_BLOCK.fullmatch(name)
+    return f"{block[1]}.{_v4_block_leaf(block[2])}" if block else name
+
+
+def _v4_block_leaf(leaf: str) -> str:
+    if leaf in _V4_BLOCK_RENAMES:
+        return _V4_BLOCK_RENAMES[leaf]
+    expert = _V4_HF_EXPERT.fullmatch(leaf)
+    return f"ffn.experts.{expert[1]}.{_EXPERT_W[expert[2]]}.weight" if expert else leaf
+
+
+# --- dequantisation -------------------------------------------------------------------------------------
+def quantization_block_size(raw_config: dict) -> tuple[int, int]:
+    """`quantization_config.weight_block_size` of a raw HF config dict; (128, 128) when absent."""
+    quant = raw_config.get("quantization_config") or {}
+    size = quant.get("weight_block_size") or DEFAULT_BLOCK_SIZE
+    valid = isinstance(size, (list, tuple)) and len(size) == 2
+    if not valid or not all(isinstance(s, int) and s > 0 for s in size):
+        raise CheckpointError(f"config.json: quantization_config.weight_block_size must be two positive "
+                              f"integers, got {size!r}")
+    return int(size[0]), int(size[1])
+
+
+def scale_to_float(scale: torch.Tensor) -> torch.Tensor:
+    """Scale tensor as float32. UE8M0 (`float8_e8m0fnu`) byte b is 2^(b-127); torch's cast does exactly
+    that (byte 255, the format's NaN, becomes NaN and is rejected by the caller)."""
+    return scale.float()
+
+
+def dequantize_fp8_block(weight: torch.Tensor, scale: torch.Tensor,
+                         block_size: tuple[int, int] = DEFAULT_BLOCK_SIZE) -> torch.Tensor:
+    """float32 `weight * scale`, scale[i, j] covering rows [i*bo, (i+1)*bo) x cols [j*bi, (j+1)*bi).
+
+    Edge blocks of a shape that is not a multiple of the block are partial (ceil-sized scale grid).
+    """
+    _require_2d(weight)
+    return _apply_block_scale(weight.float(), scale, block_size)
+
+
+def dequantize_fp4(packed: torch.Tensor, scale: torch.Tensor, group: int = FP4_GROUP) -> torch.Tensor:
+    """float32 [out, in] from E2M1 codes packed two per byte ([out, in/2], int8/uint8/float4_e2m1fn_x2)
+    and per-row scales over `group` consecutive inputs ([out, ceil(in/group)]).
+
+    Nibble order: input 2i is the LOW nibble (bits 0..3) and input 2i+1 the HIGH nibble of byte i, as
+    DeepSeek-V4's official inference/convert.py `cast_e2m1fn_to_e4m3fn` unpacks it
+    (stack([TABLE[x & 0x0F], TABLE[x >> 4]], -1).flatten) -- also the OCP MX / torch float4_e2m1fn_x2
+    and transformers' integrations/mxfp4.py convention.
+    """
+    _require_2d(packed)
+    codes = packed.view(torch.uint8)
+    pairs = torch.stack((codes & 0x0F, codes >> 4), dim=-1)  # [..., i, 0] is input 2i
+    values = torch.tensor(_E2M1_VALUES)[pairs.long()].flatten(-2)
+    return _apply_block_scale(values, scale, (1, group))
+
+
+def _apply_block_scale(values: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    rows, cols = values.shape
+    grid = (math.ceil(rows / block[0]), math.ceil(cols / block[1]))
+    if tuple(scale.shape) != grid:
+        raise ValueError(f"scale shape {tuple(scale.shape)} does not match weight shape {(rows, cols)} "
+                         f"with {block[0]}x{block[1]} blocks (expected {grid})")
+    factors = scale_to_float(scale)
+    if not torch.isfinite(factors).all():
+        raise ValueError("scale has non-finite entries")
+    padded = _pad(values, grid[0] * block[0], grid[1] * block[1])
+    padded.view(grid[0], block[0], grid[1], block[1]).mul_(factors[:, None, :, None])
+    return padded[:rows, :cols].contiguous()
+
+
+def _pad(values: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    """`values` zero-padded to [rows, cols]; the tensor itself when no padding is needed."""
+    if values.shape == (rows, cols):
+        return values
+    padded = values.new_zeros(rows, cols)
+    padded[: values.shape[0], : values.shape[1]] = values
+    return padded
+
+
+def _require_2d(weight: torch.Tensor) -> None:
+    if weight.dim() != 2:
+        raise ValueError(f"quantised weight must be 2-D, got shape {tuple(weight.shape)}")
+
+
+# --- header pass ----------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class _Entry:
+    file: Path
+    dtype: str  # safetensors header dtype, e.g. "F8_E4M3"
+
+
+def _open(file: Path):
+    try:
+        return safe_open(str(file), framework="pt")
+    except (SafetensorError, OSError, RuntimeError, ValueError) as e:
+        raise CheckpointError(f"{file}: corrupt or unreadable safetensors file ({e})") from e
+
+
+def _scan(files: list[Path]) -> dict[str, _Entry]:
+    """Every tensor's file and dtype, from the headers only. A name in two files is an error."""
+    entries: dict[str, _Entry] = {}
+    for file in files:
+        with _open(file) as f:
+            for name in f.keys():
+                if name in entries:
+                    raise CheckpointError(f"{file}: tensor {name} is also in {entries[name].file}")
+                entries[name] = _Entry(file, f.get_slice(name).get_dtype())
+    return entries
+
+
+def _check_index(root: Path, weight_map: dict[str, str], entries: dict[str, _Entry]) -> None:
+    """Every tensor the index lists is in the shard it names."""
+    for tensor, shard in weight_map.items():
+        if tensor not in entries or entries[tensor].file.name != shard:
+            raise CheckpointError(f"{root / shard}: tensor {tensor}, listed here by {INDEX_FILE}, "
+                                  "is not in this shard")
+
+
+def _scale_stem(name: str) -> str | None:
+    """`X` for a name `X<scale suffix>`, else None."""
+    for suffix in _SCALE_SUFFIXES:
+        if name.endswith(suffix):
+            return name[: -len(suffix)]
+    return None
+
+
+def _is_quantised(name: str, entry: _Entry) -> bool:
+    return name.endswith(".weight") and entry.dtype in _FP8_DTYPES | _FP4_DTYPES
+
+
+def _find_scale(weight: str, entries: dict[str, _Entry]) -> str:
+    stem = weight[: -len(".weight")]
+    found = [stem + s for s in _SCALE_SUFFIXES if stem + s in entries]
+    if len(found) != 1:
+        problem = "has several scales: " + ", ".join(found) if found else (
+            "has no scale tensor (looked for " + ", ".join(stem + s for s in _SCALE_SUFFIXES) + ")")
+        raise CheckpointError(f"{entries[weight].file}: quantised weight {weight} "
+                              f"({entries[weight].dtype}) {problem}")
+    return found[0]
+
+
+def _pair_quantised(entries: dict[str, _Entry]) -> dict[str, str]:
+    """Quantised weight name -> its scale name; a scale-like tensor without a quantised weight is an error.
+
+    `.scale` is ambiguous (transformers' in-memory `attn_hc.scale` is a plain float tensor): it is a quant
+    scale when it is UE8M0 or when a quantised `.weight` claims it.
+    """
+    pairs = {w: _find_scale(w, entries) for w, e in entries.items() if _is_quantised(w, e)}
+    claimed = set(pairs.values())
+    for name, entry in entries.items():
+        stem = _scale_stem(name)
+        if stem is None or name in claimed or (name.endswith(".scale") and entry.dtype != _E8M0):
+            continue
+        weight = f"{stem}.weight"
+        why = f"is {entries[weight].dtype}, not quantised" if weight in entries else "is missing"
+        raise CheckpointError(f"{entry.file}: scale tensor {name} has no quantised weight: {weight} {why}")
+    return pairs
+
+
+def _check_unique(entries: dict[str, _Entry], scales: set[str], model_type: str) -> None:
+    """No two yielded tensors share a canonical name (e.g. both `attn.norm` and `attn.kv_norm`)."""
+    seen: dict[str, str] = {}
+    for name, entry in entries.items():
+        if name in scales:
+            continue
+        canon = canonical_name(name, model_type)
+        if canon in seen:
+            raise CheckpointError(f"{entry.file}: tensors {seen[canon]} and {name} both map to {canon}")
+        seen[canon] = name
+
+
+# --- streaming ------------------------------------------------------------------------------------------
+@dataclass
+class _Plan:
+    files: list[Path]
+    model_type: str
+    block: tuple[int, int]
+    partner: dict[str, str]  # quantised weight <-> its scale, both directions
+    weights: frozenset[str]  # the quantised weights (keys of `partner` that are not scales)
+
+
+def _plan(path: str | os.PathLike, model_type: str, block: tuple[int, int]) -> _Plan:
+    root = Path(path)
+    files, weight_map = _discover(root)
+    entries = _scan(files)
+    if weight_map is not None:
+        _check_index(root, weight_map, entries)
+    pairs = _pair_quantised(entries)
+    _check_unique(entries, set(pairs.values()), model_type)
+    partner = {**pairs, **{s: w for w, s in pairs.items()}}
+    return _Plan(files, model_type, block, partner, frozenset(pairs))
+
+
+def iter_checkpoint(path: str | os.PathLike, model_type: str, block_size: tuple[int, int] | None = None,
+                    progress: bool = False) -> Iterator[tuple[str, torch.Tensor, str]]:
+    """Yield `(canonical_name, tensor, file_name)` for every tensor of the checkpoint at `path`.
+
+    Quantised weights come out float32 (FP8 with `block_size` blocks, default (128, 128), see
+    `quantization_block_size`; FP4 experts with 1x32 groups); their scales are not yielded.
+    `file_name` is the base name of the (weight's) shard. Discovery, header and pairing errors are raised
+    by this call, before any tensor data is read; read errors while iterating.
+    """
+    if model_type not in MODEL_TYPES:
+        raise ValueError(f"unsupported model_type {model_type!r}; expected one of {MODEL_TYPES}")
+    block = tuple(block_size) if block_size is not None else DEFAULT_BLOCK_SIZE
+    return _stream(_plan(path, model_type, block), progress)
+
+
+def _stream(plan: _Plan, progress: bool) -> Iterator[tuple[str, torch.Tensor, str]]:
+    bar = tqdm(total=sum(f.stat().st_size for f in plan.files), unit="B", unit_scale=True,
+               desc=f"Loading {len(plan.files)} shard(s)", disable=not progress)
+    pending: dict[str, tuple[torch.Tensor, Path]] = {}  # pair halves whose partner has not arrived yet
+    for file in plan.files:
+        for name, tensor in _read_shard(file):
+            item = _match(name, tensor, file, plan, pending) if name in plan.partner else (name, tensor, file)
+            if item is not None:
+                yield canonical_name(item[0], plan.model_type), item[1], item[2].name
+        bar.set_postfix_str(file.name)
+        bar.update(file.stat().st_size)
+    bar.close()
+    if pending:  # unreachable while the header pass is right; kept as the pairing invariant's guard
+        name, (_, file) = next(iter(pending.items()))
+        raise CheckpointError(f"{file}: {name} never met its partner {plan.partner[name]}")
+
+
+def _read_shard(file: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    with _open(file) as f:
+        for name in f.keys():
+            yield name, _get_tensor(f, file, name)
+
+
+def _get_tensor(handle, file: Path, name: str) -> torch.Tensor:
+    try:
+        return handle.get_tensor(name)
+    except (SafetensorError, OSError, RuntimeError, ValueError) as e:
+        raise CheckpointError(f"{file}: tensor {name} cannot be read ({e})") from e
+
+
+def _match(name: str, tensor: torch.Tensor, file: Path, plan: _Plan,
+           pending: dict[str, tuple[torch.Tensor, Path]]) -> tuple[str, torch.Tensor, Path] | None:
+    """Buffer the first half of a (weight, scale) pair; on the second, (weight name, float32 weight, file)."""
+    partner = plan.partner[name]
+    if partner not in pending:
+        pending[name] = (tensor, file)
+        return None
+    other, other_file = pending.pop(partner)
+    if name in plan.weights:
+        return name, _dequantize(name, tensor, partner, other, plan.block, file), file
+    return partner, _dequantize(partner, other, name, tensor, plan.block, other_file), other_file
+
+
+def _dequantize(weight_name: str, weight: torch.Tensor, scale_name: str, scale: torch.Tensor,
+                block_size: tuple[int, int], file: Path) -> torch.Tensor:
+    try:
+        if weight.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+            return dequantize_fp8_block(weight, scale, block_size)
+        return dequantize_fp4(weight, scale)
+    except ValueError as e:
+        raise CheckpointError(f"{file}: {weight_name} with {scale_name}: {e}") from e
