@@ -1,0 +1,294 @@
+"""The `deepinfer` command line: `generate` for one prompt, `chat` for an interactive conversation.
+
+Invariants: stdout carries only generated output (text, or one JSON object per line with --json);
+logs, progress bars and error messages go to stderr. Every ValueError (bad model path, bad option,
+prompt too long, ...) ends the command with `error: <message>` on stderr and exit status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import logging
+import sys
+import typing
+from collections.abc import Iterator, Mapping
+
+import jinja2
+
+from deepinfer import __version__
+from deepinfer.config import EngineArgs
+from deepinfer.llm import LLM
+from deepinfer.outputs import CompletionOutput
+from deepinfer.sampling_params import SamplingParams
+
+EXIT_ERROR = 2
+EXIT_INTERRUPTED = 130
+ENGINE_DEST_PREFIX = "engine_"  # engine options live under their own dests so flag names may be renamed
+# name -> (type, help); every flag defaults to None, so unset options keep SamplingParams' own defaults
+_SAMPLING_FLAGS: dict[str, tuple[type, str]] = {
+    "temperature": (float, "0 means greedy"),
+    "top_p": (float, "nucleus sampling mass in (0, 1]"),
+    "top_k": (int, "keep the k most likely tokens (0 or -1: off)"),
+    "min_p": (float, "drop tokens below min_p x the top probability"),
+    "seed": (int, "per-request sampling seed"),
+    "presence_penalty": (float, "in [-2, 2]"),
+    "frequency_penalty": (float, "in [-2, 2]"),
+    "repetition_penalty": (float, "> 0; 1 means off"),
+    "min_tokens": (int, "tokens to generate before EOS / stop may end the output"),
+    "n": (int, "number of samples"),
+    "logprobs": (int, "top-N log-probabilities per generated token"),
+}
+_CHAT_EXIT = ("/exit", "/quit")
+_CHAT_RESET = "/reset"
+
+
+# --- engine options ----------------------------------------------------------------------------
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _value_type(f: dataclasses.Field, hints: Mapping[str, typing.Any]) -> type:
+    """The default's type; for a None default (Optional[X]) the first non-None member X."""
+    if f.default is not None:
+        return type(f.default)
+    return next(a for a in typing.get_args(hints[f.name]) if a is not type(None))
+
+
+def add_engine_args(parser: argparse.ArgumentParser, rename: Mapping[str, str] | None = None) -> None:
+    """`--model`, `--tokenizer` and one flag per EngineArgs field (`rename` maps field -> flag name)."""
+    parser.add_argument("--model", metavar="PATH", help="checkpoint directory (default: the bundled model)")
+    parser.add_argument("--tokenizer", metavar="PATH", help="tokenizer directory (default: the model's)")
+    group = parser.add_argument_group("engine options")
+    hints = typing.get_type_hints(EngineArgs)
+    for f in dataclasses.fields(EngineArgs):
+        _add_engine_flag(group, f, _value_type(f, hints), (rename or {}).get(f.name, f.name))
+
+
+def _add_engine_flag(group, f: dataclasses.Field, kind: type, name: str) -> None:
+    common = dict(dest=ENGINE_DEST_PREFIX + f.name, default=f.default, help=f"EngineArgs.{f.name}")
+    if kind is bool:
+        group.add_argument(_flag(name), action=argparse.BooleanOptionalAction, **common)
+    else:
+        common["help"] += " (default: %(default)s)"
+        group.add_argument(_flag(name), type=kind, metavar=f.name.upper(), **common)
+
+
+def engine_kwargs(namespace: argparse.Namespace) -> dict[str, typing.Any]:
+    """EngineArgs keyword arguments from a namespace filled by a parser given `add_engine_args`."""
+    return {f.name: getattr(namespace, ENGINE_DEST_PREFIX + f.name) for f in dataclasses.fields(EngineArgs)}
+
+
+# --- sampling options --------------------------------------------------------------------------
+def add_sampling_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("sampling options")
+    group.add_argument("--max-tokens", type=int, default=128, help="most tokens to generate (default: 128)")
+    for name, (kind, help_text) in _SAMPLING_FLAGS.items():
+        group.add_argument(_flag(name), type=kind, help=help_text)
+    group.add_argument("--stop", action="append", metavar="TEXT", help="stop string (repeatable)")
+    group.add_argument("--ignore-eos", action="store_true", help="keep generating past EOS")
+
+
+def sampling_params(namespace: argparse.Namespace) -> SamplingParams:
+    """SamplingParams from the flags given; raises ValueError (with its message) for bad values."""
+    chosen = {name: getattr(namespace, name) for name in _SAMPLING_FLAGS}
+    kwargs = {name: value for name, value in chosen.items() if value is not None}
+    return SamplingParams(max_tokens=namespace.max_tokens, stop=namespace.stop or [],
+                          ignore_eos=namespace.ignore_eos, **kwargs)
+
+
+def load_llm(namespace: argparse.Namespace, stdout_is_data: bool = False) -> LLM:
+    """LLM for the namespace; with `stdout_is_data` its bundled-model notice goes to stderr instead."""
+    target = sys.stderr if stdout_is_data else sys.stdout
+    with contextlib.redirect_stdout(target):
+        return LLM(namespace.model, namespace.tokenizer, **engine_kwargs(namespace))
+
+
+# --- generate ----------------------------------------------------------------------------------
+def _token_ids(text: str) -> list[int]:
+    try:
+        return [int(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+
+
+def _prompt(args: argparse.Namespace) -> str | list[int]:
+    """Exactly one of the text prompt and --prompt-token-ids; --chat needs text."""
+    if (args.prompt is None) == (args.prompt_token_ids is None):
+        raise ValueError("give either a text prompt or --prompt-token-ids (exactly one)")
+    if args.chat and args.prompt is None:
+        raise ValueError("--chat needs a text prompt, not --prompt-token-ids")
+    return args.prompt if args.prompt is not None else args.prompt_token_ids
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    prompt, params = _prompt(args), sampling_params(args)
+    llm = load_llm(args, stdout_is_data=args.json)
+    if args.chat:
+        result = llm.chat([{"role": "user", "content": prompt}], params, use_tqdm=False)[0]
+    else:
+        result = llm.generate(prompt, params, use_tqdm=False)[0]
+    for out in result.outputs:
+        _print_output(out, len(result.outputs), args.json, llm.get_tokenizer() is not None)
+    return 0
+
+
+def _print_output(out: CompletionOutput, n: int, as_json: bool, has_text: bool) -> None:
+    if as_json:
+        print(json.dumps(_output_dict(out), ensure_ascii=False), flush=True)
+        return
+    if n > 1:
+        print(f"=== sample {out.index + 1}/{n} ===")
+    # without a tokenizer there is no text to show, so the token ids stand in for it
+    print(out.text if has_text else ",".join(map(str, out.token_ids)), flush=True)
+
+
+def _output_dict(out: CompletionOutput) -> dict[str, typing.Any]:
+    data = {"index": out.index, "text": out.text, "token_ids": list(out.token_ids),
+            "finish_reason": out.finish_reason}
+    if out.logprobs is not None:
+        data["cumulative_logprob"] = out.cumulative_logprob
+        data["logprobs"] = [{str(t): lp.logprob for t, lp in step.items()} for step in out.logprobs]
+    return data
+
+
+# --- chat --------------------------------------------------------------------------------------
+def _read_lines(interactive: bool) -> Iterator[str]:
+    """Stripped input lines until EOF; prompts (on stderr) only when a person is typing."""
+    while True:
+        if interactive:
+            print(">>> ", end="", file=sys.stderr, flush=True)
+        line = sys.stdin.readline()
+        if not line:
+            return
+        yield line.strip()
+
+
+class ChatSession:
+    """A conversation: history (system message first, if any) plus one streamed reply per user turn."""
+
+    def __init__(self, llm: LLM, params: SamplingParams, system: str | None, thinking: bool):
+        if llm.get_tokenizer() is None:
+            raise ValueError("chat needs a tokenizer; the model has no tokenizer.json (use --tokenizer)")
+        if params.n != 1:
+            raise ValueError(f"chat streams one reply per turn; --n must be 1, got {params.n}")
+        self.llm, self.params, self.thinking = llm, params, thinking
+        self.base = [{"role": "system", "content": system}] if system else []
+        self.history = list(self.base)
+
+    def reset(self) -> None:
+        self.history = list(self.base)
+
+    def turn(self, text: str) -> str:
+        """Stream the reply to stdout; the turn enters the history only once the reply is complete."""
+        messages = [*self.history, {"role": "user", "content": text}]
+        tok = self.llm.get_tokenizer()
+        ids = tok.apply_chat_template(messages, tokenize=True, thinking=self.thinking)
+        reply = "".join(_echo(self.llm.stream({"prompt_token_ids": ids}, self.params)))
+        print(flush=True)
+        self.history = [*messages, {"role": "assistant", "content": reply}]
+        return reply
+
+
+def _echo(deltas: Iterator[str]) -> Iterator[str]:
+    for delta in deltas:
+        sys.stdout.write(delta)
+        sys.stdout.flush()
+        yield delta
+
+
+def run_chat(args: argparse.Namespace) -> int:
+    session = ChatSession(load_llm(args), sampling_params(args), args.system, args.thinking)
+    interactive = sys.stdin.isatty()
+    for line in _read_lines(interactive):
+        if line in _CHAT_EXIT:
+            break
+        if line == _CHAT_RESET:
+            session.reset()
+            print("(history cleared)", file=sys.stderr)
+        elif line:
+            _chat_turn(session, line, interactive)
+    return 0
+
+
+def _chat_turn(session: ChatSession, line: str, interactive: bool) -> None:
+    """A person at the terminal keeps the session after a bad turn; piped input fails fast (exit 2)."""
+    try:
+        session.turn(line)
+    except (ValueError, jinja2.TemplateError) as e:
+        if not interactive:
+            raise
+        print(f"error: {e} (try /reset)", file=sys.stderr)
+
+
+# --- parser and entry point --------------------------------------------------------------------
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="deepinfer", description="Run DeepSeek models locally.")
+    parser.add_argument("--version", action="version", version=f"deepinfer {__version__}")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    _add_generate_parser(commands)
+    _add_chat_parser(commands)
+    return parser
+
+
+def _add_common(sub: argparse.ArgumentParser) -> None:
+    add_sampling_args(sub)
+    # --seed is the per-request sampling seed here, so the engine's global seed is --engine-seed
+    add_engine_args(sub, rename={"seed": "engine_seed"})
+
+
+def _add_generate_parser(commands) -> None:
+    sub = commands.add_parser("generate", help="complete one prompt and print the result")
+    sub.add_argument("prompt", nargs="?", help="text prompt (needs a tokenizer)")
+    sub.add_argument("--prompt-token-ids", type=_token_ids, metavar="IDS", help="prompt as ids, e.g. 1,2,3")
+    sub.add_argument("--chat", action="store_true", help="send the prompt as a user message (chat template)")
+    sub.add_argument("--json", action="store_true", help="print one JSON object per output")
+    _add_common(sub)
+    sub.set_defaults(handler=run_generate)
+
+
+def _add_chat_parser(commands) -> None:
+    sub = commands.add_parser("chat", help="interactive chat; reads lines from stdin (/reset, /exit)")
+    sub.add_argument("--system", metavar="TEXT", help="system message")
+    sub.add_argument("--thinking", action=argparse.BooleanOptionalAction, default=False,
+                     help="thinking mode (chat_template_kwargs thinking)")
+    _add_common(sub)
+    sub.set_defaults(handler=run_chat)
+
+
+class _StderrHandler(logging.StreamHandler):
+    """Writes to whatever sys.stderr is at emit time (redirections and test capture swap it)."""
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value) -> None:
+        pass
+
+
+def setup_logging(level: int = logging.INFO) -> None:
+    """deepinfer's log records go to stderr; idempotent, so main() may run many times in one process."""
+    logger = logging.getLogger("deepinfer")
+    logger.setLevel(level)
+    if not any(isinstance(h, _StderrHandler) for h in logger.handlers):
+        handler = _StderrHandler()
+        handler.setFormatter(logging.Formatter("%(name)s: %(message)s"))
+        logger.addHandler(handler)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the command line; returns the exit status (argparse usage errors exit 2 themselves)."""
+    args = build_parser().parse_args(argv)
+    setup_logging()
+    try:
+        return args.handler(args)
+    except (ValueError, jinja2.TemplateError) as e:  # user errors: a message, never a traceback
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_ERROR
+    except KeyboardInterrupt:
+        print(file=sys.stderr)
+        return EXIT_INTERRUPTED
