@@ -38,6 +38,9 @@ class EngineCore:
         self.max_model_len = args.max_model_len or self.model_config.max_position
         self.layout = self._plan_cache()
         logger.info(self.layout.describe())
+        if self.layout.num_tokens < self.max_model_len:
+            logger.warning("the KV cache holds %d tokens, fewer than max_model_len %d: outputs are capped to fit",
+                           self.layout.num_tokens, self.max_model_len)
         self.runner = ModelRunner(self.model, self.layout, self.device)
         self.kv = KVCacheManager(self.layout.num_blocks, self.layout.block_size, self.layout.num_state_slots)
         self.scheduler = Scheduler(args.scheduler_config(self.max_model_len), self.kv, self.max_model_len)
@@ -85,10 +88,11 @@ class EngineCore:
         if n >= self.max_model_len:
             raise ValueError(f"request {request_id}: the prompt has {n} tokens but the model's context is "
                              f"{self.max_model_len} tokens (at least one must be left for the output)")
-        if not self.kv.can_hold(n + 1):
+        capacity = min(self.max_model_len, self.layout.num_tokens)
+        if n >= capacity:
             raise ValueError(f"request {request_id}: {n} prompt tokens cannot fit in the KV cache "
-                             f"({self.layout.num_tokens} tokens)")
-        room = self.max_model_len - n
+                             f"({self.layout.num_tokens} tokens) with room for an output token")
+        room = capacity - n  # a request alone always fits, so preemption always makes progress
         return room if params.max_tokens is None else min(params.max_tokens, room)
 
     def abort(self, request_id: str, status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> Request | None:

@@ -62,7 +62,8 @@ class Scheduler:
         if self.config.policy == "priority":
             self.running.sort(key=lambda r: admission_key(r, "priority"))
         budget = self._schedule_running(out, budget)
-        self._schedule_waiting(out, budget)
+        if not out.preempted:  # a step that had to preempt has no room to admit anyone
+            self._schedule_waiting(out, budget)
         self._schedule_forks(out)
         return out
 
@@ -99,15 +100,20 @@ class Scheduler:
         req.num_computed_tokens = 0
         req.num_preemptions += 1
         self.num_preemptions += 1
-        req.status = RequestStatus.WAITING
-        self.waiting.appendleft(req)
+        if self.config.policy == "priority":
+            self._enqueue(req)
+        else:
+            req.status = RequestStatus.WAITING
+            self.waiting.appendleft(req)
         out.preempted.append(req.request_id)
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
             n = min(req.num_tokens - req.num_computed_tokens, budget)
-            if n < req.num_tokens and not self.config.enable_chunked_prefill:
+            # Without chunked prefill a prompt waits for a budget it fits in; one larger than any budget is chunked.
+            fits_some_step = req.num_tokens <= self.config.max_num_batched_tokens
+            if n < req.num_tokens and not self.config.enable_chunked_prefill and fits_some_step:
                 return
             if not self.kv.allocate(req.request_id, n):
                 return
