@@ -8,39 +8,14 @@ import subprocess
 import sys
 
 import pytest
-from tiny_models import make_reference, save_reference
-from tokenizers import Tokenizer as HFTokenizer
-from tokenizers import decoders, models, pre_tokenizers, trainers
+from tiny_models import make_reference, save_reference, write_tokenizer
 
 from deepinfer import cli
 from deepinfer.config import EngineArgs
 
-BOS, EOS = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"
-USER, ASSISTANT = "<｜User｜>", "<｜Assistant｜>"
-TEMPLATE = (
-    "{{ bos_token }}{% for m in messages %}"
-    "{% if m['role'] == 'system' %}{{ m['content'] }}"
-    "{% elif m['role'] == 'user' %}" + USER + "{{ m['content'] }}"
-    "{% else %}" + ASSISTANT + "{{ m['content'] }}{{ eos_token }}{% endif %}{% endfor %}"
-    "{% if add_generation_prompt %}" + ASSISTANT + "{% if thinking %}<think>{% else %}</think>{% endif %}"
-    "{% endif %}"
-)
 # small KV cache and no progress bar: fast, and stderr stays readable
 FAST = ["--temperature", "0", "--ignore-eos", "--no-load-progress", "--kv-cache-memory-bytes", "16777216",
         "--max-num-seqs", "4"]
-
-
-def write_tokenizer(path):
-    """Byte-level BPE with BOS=0 / EOS=1 like the tiny model; vocab 300 < the model's 512."""
-    tok = HFTokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=[BOS, EOS, USER, ASSISTANT],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(["hello world, how are you today", "the quick brown fox"] * 10, trainer)
-    tok.save(str(path / "tokenizer.json"))
-    config = {"bos_token": BOS, "eos_token": EOS, "chat_template": TEMPLATE}
-    (path / "tokenizer_config.json").write_text(json.dumps(config))
 
 
 @pytest.fixture(scope="module")

@@ -9,9 +9,21 @@ which is the tie-break deepinfer implements.
 from __future__ import annotations
 
 import contextlib
+import json
 from pathlib import Path
 
 import torch
+
+BOS, EOS = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"
+USER, ASSISTANT = "<｜User｜>", "<｜Assistant｜>"
+TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}"
+    "{% if m['role'] == 'system' %}{{ m['content'] }}"
+    "{% elif m['role'] == 'user' %}" + USER + "{{ m['content'] }}"
+    "{% else %}" + ASSISTANT + "{{ m['content'] }}{{ eos_token }}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}" + ASSISTANT + "{% if thinking %}<think>{% else %}</think>{% endif %}"
+    "{% endif %}"
+)
 
 V4_TINY = dict(
     vocab_size=512, hidden_size=128, moe_intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
@@ -138,3 +150,19 @@ def reference_logits(model, tokens: list[int]) -> torch.Tensor:
     """Full-forward logits [len(tokens), V] of one unpadded sequence."""
     with torch.no_grad(), stable_indexer_topk():
         return model(torch.tensor([tokens])).logits[0].float()
+
+
+def write_tokenizer(path):
+    """Byte-level BPE with BOS=0 / EOS=1 like the tiny model; vocab 300 < the model's 512."""
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    tok = HFTokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=[BOS, EOS, USER, ASSISTANT],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(["hello world, how are you today", "the quick brown fox"] * 10, trainer)
+    tok.save(str(path / "tokenizer.json"))
+    config = {"bos_token": BOS, "eos_token": EOS, "chat_template": TEMPLATE}
+    (path / "tokenizer_config.json").write_text(json.dumps(config))
