@@ -73,6 +73,8 @@ class ModelConfig:
     sliding_window: int = 0
     layer_kinds: tuple[str, ...] = ()
     compress_ratios: tuple[int, ...] = ()  # per layer, 0 for sliding-only
+    mtp_layer_kinds: tuple[str, ...] = ()  # per MTP layer (see _v4_layer_kinds)
+    mtp_compress_ratios: tuple[int, ...] = ()
     hash_layers: tuple[bool, ...] = ()
     index_n_heads: int = 0
     index_head_dim: int = 0
@@ -170,26 +172,44 @@ def _rope_from(params: dict, theta: float, dim: int) -> RopeConfig:
     )
 
 
-def _v4_layer_kinds(raw: dict, n: int) -> tuple[tuple[str, ...], tuple[int, ...]]:
+def _v4_rates(raw: dict) -> dict[str, int]:
     rates = {CSA: 4, HCA: 128}
     rates.update(raw.get("compress_rates") or {})
     if "compress_rate_csa" in raw:
         rates[CSA] = raw["compress_rate_csa"]
     if "compress_rate_hca" in raw:
         rates[HCA] = raw["compress_rate_hca"]
+    return rates
+
+
+def _v4_listed_kinds(raw: dict, n: int, rates: dict[str, int]) -> tuple[str, ...]:
+    """Attention kinds as the config lists them; entries past the first n belong to MTP layers."""
     if raw.get("layer_types"):
-        kinds = tuple(raw["layer_types"][:n])
-    elif raw.get("compress_ratios"):
-        ratios = raw["compress_ratios"][:n]
+        return tuple(raw["layer_types"])
+    if raw.get("compress_ratios"):
+        ratios = raw["compress_ratios"]
         bad = [r for r in ratios if r not in _RATIO_TO_KIND and r not in (rates[CSA], rates[HCA])]
         if bad:
             raise ConfigError(f"compress_ratios entries must be 0, 4 or 128; got {bad}")
-        kinds = tuple(SLIDING if r == 0 else CSA if r == rates[CSA] else HCA for r in ratios)
-    else:
-        kinds = tuple([HCA] * min(n, 2) + [CSA if i % 2 else HCA for i in range(max(n - 2, 0))])
-    unknown = sorted({k for k in kinds if k not in (SLIDING, CSA, HCA)})
+        return tuple(SLIDING if r == 0 else CSA if r == rates[CSA] else HCA for r in ratios)
+    return tuple([HCA] * min(n, 2) + [CSA if i % 2 else HCA for i in range(max(n - 2, 0))])
+
+
+def _v4_layer_kinds(raw: dict, n: int, n_mtp: int = 0) -> tuple[tuple[str, ...], tuple[int, ...]]:
+    """Kinds and ratios of the n main layers followed by the n_mtp MTP layers.
+
+    DeepSeek's official config lists one `compress_ratios` entry per MTP layer after the main layers
+    (V4-Flash: 44 entries, the last 0). transformers truncates `layer_types` to the main layers and
+    drops MTP, so a missing MTP entry defaults to the last main layer's kind.
+    """
+    rates = _v4_rates(raw)
+    listed = _v4_listed_kinds(raw, n, rates)
+    kinds = listed[:n]
+    unknown = sorted({k for k in listed[:n + n_mtp] if k not in (SLIDING, CSA, HCA)})
     if unknown or len(kinds) != n:
         raise ConfigError(f"layer_types must list {n} of {SLIDING}/{CSA}/{HCA}; got {list(kinds)}")
+    mtp = listed[n:n + n_mtp]
+    kinds += mtp + kinds[-1:] * (n_mtp - len(mtp))
     return kinds, tuple(0 if k == SLIDING else int(rates[k]) for k in kinds)
 
 
@@ -221,7 +241,8 @@ def _v4_from_dict(raw: dict) -> ModelConfig:
         rope_dim = int(raw["qk_rope_head_dim"])
     else:
         rope_dim = int(head_dim * float(raw.get("partial_rotary_factor") or 64 / 512))
-    kinds, ratios = _v4_layer_kinds(raw, n)
+    n_mtp = int(raw.get("num_nextn_predict_layers", 0) or 0)
+    kinds, ratios = _v4_layer_kinds(raw, n, n_mtp)
     if raw.get("mlp_layer_types"):
         hash_layers = tuple(t == "hash_moe" for t in raw["mlp_layer_types"][:n])
     else:
@@ -236,8 +257,10 @@ def _v4_from_dict(raw: dict) -> ModelConfig:
         o_groups=int(raw["o_groups"]),
         o_lora_rank=int(raw["o_lora_rank"]),
         sliding_window=int(raw["sliding_window"]),
-        layer_kinds=kinds,
-        compress_ratios=ratios,
+        layer_kinds=kinds[:n],
+        compress_ratios=ratios[:n],
+        mtp_layer_kinds=kinds[n:],
+        mtp_compress_ratios=ratios[n:],
         hash_layers=hash_layers,
         index_n_heads=int(raw.get("index_n_heads", 64)),
         index_head_dim=int(raw.get("index_head_dim", 128)),

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from deepinfer.config import CSA, HCA, SLIDING, ModelConfig
+from deepinfer.config import CSA, SLIDING, ModelConfig
 from deepinfer.layers.attention import sink_attention
 from deepinfer.layers.metadata import CacheTensorSpec, ForwardMeta
 from deepinfer.layers.moe import routed_experts, swiglu
@@ -318,6 +318,12 @@ class HyperHead(nn.Module):
         return (pre.unsqueeze(-1) * streams.float()).sum(dim=1).to(streams.dtype)
 
 
+def _mtp_layers(config: ModelConfig) -> nn.ModuleList:
+    from deepinfer.models.mtp import MTPLayer  # imported here: mtp.py builds on this module's Block
+
+    return nn.ModuleList(MTPLayer(config, k) for k in range(config.num_mtp_layers))
+
+
 class DeepseekV4ForCausalLM(nn.Module):
     def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
         super().__init__()
@@ -327,7 +333,8 @@ class DeepseekV4ForCausalLM(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.hc_head = HyperHead(config)
-        self.mtp_weights: dict[str, torch.Tensor] = {}
+        self.mtp = _mtp_layers(config)
+        self.mtp_loaded = False  # True once a checkpoint supplied every mtp.* tensor
         self.to(device=device)
         self._cast_compute_weights(dtype)
         self.rope_main = RotaryTable(config.rope_main, min(config.max_position, 8192), device)
@@ -340,42 +347,65 @@ class DeepseekV4ForCausalLM(nn.Module):
                 module.to(dtype)
 
     # --- cache -----------------------------------------------------------------------------------
-    def kv_cache_spec(self, block_size: int) -> list[CacheTensorSpec]:
-        for ratio in set(self.config.compress_ratios) - {0}:
+    def kv_cache_spec(self, block_size: int, include_mtp: bool = False) -> list[CacheTensorSpec]:
+        """Cache tensors of the main layers (`layers.{i}.*`), and with include_mtp of the MTP layers (`mtp.{k}.*`)."""
+        all_ratios = set(self.config.compress_ratios) | set(self.config.mtp_compress_ratios if include_mtp else ())
+        for ratio in all_ratios - {0}:
             if block_size % ratio:
                 raise ValueError(f"block_size {block_size} must be a multiple of every compress ratio "
-                                 f"{sorted(set(self.config.compress_ratios) - {0})}")
+                                 f"{sorted(all_ratios - {0})}")
         specs = []
         for i, layer in enumerate(self.layers):
             specs += layer.attn.cache_spec(f"layers.{i}", self.config.sliding_window, block_size, self.dtype)
+        for k, layer in enumerate(self.mtp if include_mtp else ()):
+            specs += layer.attn.cache_spec(f"mtp.{k}", self.config.sliding_window, block_size, self.dtype)
         return specs
 
     def bind_kv_cache(self, tensors: dict[str, torch.Tensor]) -> None:
-        for i, layer in enumerate(self.layers):
-            prefix = f"layers.{i}."
+        named = [(f"layers.{i}.", layer) for i, layer in enumerate(self.layers)]
+        for prefix, layer in named + [(f"mtp.{j}.", layer) for j, layer in enumerate(self.mtp)]:
             layer.attn.cache = {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}
 
     # --- compute ---------------------------------------------------------------------------------
-    def forward(self, meta: ForwardMeta) -> torch.Tensor:
+    def forward(self, meta: ForwardMeta, return_mtp_input: bool = False) -> torch.Tensor | tuple[torch.Tensor, ...]:
+        """Final normed hidden [T, D]; with return_mtp_input also the final streams [T, hc, D] MTP layer 0 takes."""
         ctx = StepContext(self, meta)
         x = self.embed(meta.input_ids)
         streams = x.unsqueeze(1).expand(-1, self.config.hc_mult, -1).contiguous()
         for layer in self.layers:
             streams = layer(streams, ctx)
-        return self.norm(self.hc_head(streams))
+        hidden = self.norm(self.hc_head(streams))
+        return (hidden, streams) if return_mtp_input else hidden
+
+    def mtp_forward(self, k: int, mtp_input: torch.Tensor, next_token_ids: torch.Tensor, meta: ForwardMeta,
+                    return_mtp_input: bool = False) -> torch.Tensor | tuple[torch.Tensor, ...]:
+        """MTP layer k over the positions of `meta`, in its own `mtp.{k}` caches.
+
+        Row t pairs mtp_input[t] (the streams of forward, or of mtp_forward(k - 1), at row t) with the
+        embedding of next_token_ids[t] = token t + 1 + k; the returned hidden [T, D] predicts token
+        t + 2 + k through compute_logits. With return_mtp_input also the streams MTP layer k + 1 takes.
+        """
+        layer = self.mtp[k]
+        if mtp_input.dim() != 3:
+            raise ValueError(f"mtp_input must be streams [T, hc, D], got shape {tuple(mtp_input.shape)}: "
+                             "take them from forward / mtp_forward with return_mtp_input=True")
+        if not layer.attn.cache:
+            raise RuntimeError(f"MTP layer {k} has no cache: bind kv_cache_spec(block_size, include_mtp=True)")
+        streams = layer(mtp_input, self.embed(next_token_ids), StepContext(self, meta))
+        hidden = layer.head_hidden(streams)
+        return (hidden, streams) if return_mtp_input else hidden
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.head(hidden).float()
 
     # --- weights ---------------------------------------------------------------------------------
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor, str]]) -> None:
-        assign_weights(self, self._internal_names(weights))
+        """Main weights are required; the MTP weights (`mtp.*`) all or none (transformers drops them)."""
+        loaded = assign_weights(self, self._internal_names(weights), optional_prefixes=("mtp.",))
+        self.mtp_loaded = bool(self.mtp) and "mtp." in loaded
 
     def _internal_names(self, weights):
         for name, tensor, source in weights:
-            if name.startswith("mtp."):
-                self.mtp_weights[name] = tensor
-                continue
             head, _, leaf = name.rpartition(".")
             if leaf in _HC_RENAMES:
                 name = f"{head}.{_HC_RENAMES[leaf]}" if head else _HC_RENAMES[leaf]

@@ -37,9 +37,22 @@ def _target(params: dict[str, torch.Tensor], name: str) -> tuple[str, torch.Tens
     raise KeyError(name)
 
 
-def assign_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor, str]]) -> None:
-    """Copy every tensor into the model; unknown names, bad shapes and missing tensors raise."""
+def assign_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor, str]],
+                   optional_prefixes: tuple[str, ...] = ()) -> set[str]:
+    """Copy every tensor into the model; unknown names, bad shapes and missing tensors raise.
+
+    The parameters under an optional prefix may be absent all together (then they keep their values),
+    but not in part. Returns the optional prefixes that were loaded.
+    """
     params = dict(model.named_parameters()) | dict(model.named_buffers())
+    filled = _copy_all(model, params, weights)
+    absent = tuple(p for p in optional_prefixes if not any(n.startswith(p) for n in filled))
+    _check_complete(model, {n: p for n, p in params.items() if not n.startswith(absent)}, filled)
+    return set(optional_prefixes) - set(absent)
+
+
+def _copy_all(model: nn.Module, params: dict, weights: Iterable[tuple[str, torch.Tensor, str]]) -> dict[str, int]:
+    """Copy each tensor into its parameter; returns how many tensors went into each parameter."""
     filled: dict[str, int] = {}
     with torch.no_grad():
         for name, tensor, source in weights:
@@ -53,7 +66,7 @@ def assign_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor, 
                                         f"expected {tuple(dst.shape)}")
             dst.copy_(tensor.to(dst.dtype))
             filled[pname] = filled.get(pname, 0) + 1
-    _check_complete(model, params, filled)
+    return filled
 
 
 def _check_complete(model: nn.Module, params: dict, filled: dict[str, int]) -> None:
