@@ -10,7 +10,6 @@ from pathlib import Path
 import torch
 
 SLIDING, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
-_RATIO_TO_KIND = {0: SLIDING, 4: CSA, 128: HCA}
 SUPPORTED_MODEL_TYPES = ("deepseek_v4", "deepseek_v3", "deepseek_v2")
 # Keys that only DeepSeek-V4.1 / Flash-0731 configs carry; their semantics have no reference here.
 _V41_ONLY_KEYS = ("dspark", "engram", "csa2", "delayed_hc", "num_dspark_layers", "engram_vocab_size",
@@ -179,6 +178,12 @@ def _v4_rates(raw: dict) -> dict[str, int]:
         rates[CSA] = raw["compress_rate_csa"]
     if "compress_rate_hca" in raw:
         rates[HCA] = raw["compress_rate_hca"]
+    heavy = {r for r in raw.get("compress_ratios") or () if r not in (0, rates[CSA])}
+    if len(heavy) > 1 or any(not isinstance(r, int) or r < 0 for r in heavy):
+        raise ConfigError(f"compress_ratios must use 0 (sliding), {rates[CSA]} (CSA) and one HCA ratio; "
+                          f"got {sorted(heavy)}")
+    if heavy and not raw.get("compress_rates"):
+        rates[HCA] = heavy.pop()  # official configs carry the HCA ratio only in compress_ratios
     return rates
 
 
@@ -187,11 +192,7 @@ def _v4_listed_kinds(raw: dict, n: int, rates: dict[str, int]) -> tuple[str, ...
     if raw.get("layer_types"):
         return tuple(raw["layer_types"])
     if raw.get("compress_ratios"):
-        ratios = raw["compress_ratios"]
-        bad = [r for r in ratios if r not in _RATIO_TO_KIND and r not in (rates[CSA], rates[HCA])]
-        if bad:
-            raise ConfigError(f"compress_ratios entries must be 0, 4 or 128; got {bad}")
-        return tuple(SLIDING if r == 0 else CSA if r == rates[CSA] else HCA for r in ratios)
+        return tuple(SLIDING if r == 0 else CSA if r == rates[CSA] else HCA for r in raw["compress_ratios"])
     return tuple([HCA] * min(n, 2) + [CSA if i % 2 else HCA for i in range(max(n - 2, 0))])
 
 
@@ -250,7 +251,7 @@ def _v4_from_dict(raw: dict) -> ModelConfig:
         hash_layers = tuple(i < n_hash for i in range(n))
     main, comp = _v4_rope(raw, rope_dim)
     return ModelConfig(
-        **_common(raw),
+        **{**_common(raw), "norm_topk_prob": bool(raw.get("norm_topk_prob", True))},  # V4 always renormalises
         head_dim=head_dim,
         rope_dim=rope_dim,
         q_lora_rank=int(raw["q_lora_rank"]),
