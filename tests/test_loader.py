@@ -18,6 +18,7 @@ from quantize_utils import (
     quantize_fp8,
 )
 from safetensors.torch import load_file, save_file
+from tiny_models import V4_TINY
 
 from deepinfer.models.loader import (
     CheckpointError,
@@ -29,23 +30,6 @@ from deepinfer.models.loader import (
 )
 
 # Same values as the shared reference's tiny DeepSeek-V4 config (transformers 5.24 DeepseekV4Config).
-V4_TINY = dict(
-    vocab_size=512, hidden_size=128, moe_intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
-    num_key_value_heads=1, head_dim=64, partial_rotary_factor=0.25, q_lora_rank=64, o_groups=2,
-    o_lora_rank=32, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2,
-    scoring_func="sqrtsoftplus", routed_scaling_factor=1.5,
-    layer_types=["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention",
-                 "compressed_sparse_attention"],
-    mlp_layer_types=["hash_moe", "moe", "moe", "moe"],
-    compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 16},
-    sliding_window=16, index_n_heads=4, index_head_dim=32, index_topk=4, hc_mult=4, hc_sinkhorn_iters=20,
-    swiglu_limit=10.0, rope_theta=10000.0, compress_rope_theta=160000.0,
-    rope_parameters={"rope_type": "yarn", "factor": 16.0, "original_max_position_embeddings": 256,
-                     "beta_fast": 32, "beta_slow": 1},
-    max_position_embeddings=4096, num_nextn_predict_layers=1, bos_token_id=0, eos_token_id=1, pad_token_id=2,
-)
-
-# Every DeepSeek-V4 canonical name (official naming, no "model." prefix).
 _L = r"(?:layers|mtp)\.\d+\."
 _COMP = r"compressor\.(?:wkv\.weight|wgate\.weight|ape|norm\.weight)"
 V4_CANONICAL = re.compile("|".join([
