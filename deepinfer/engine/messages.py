@@ -1,0 +1,125 @@
+"""Wire messages between the API process and the engine process (msgpack via msgspec).
+
+Every struct is `array_like` (encoded as a positional array, no field names) and tagged, so one
+decoder per direction tells the messages apart. Invariants of the protocol:
+
+- API -> engine (`InputMessage`): adds, aborts and shutdown, applied in the order sent.
+- engine -> API (`OutputMessage`): exactly one `EngineReady` or `EngineFailure` first; then
+  `EngineOutputs` / `RequestError` batches; an `EngineFailure` after start-up means the engine is dying.
+- `EngineOutput.request_id` is always the PARENT id the API sent; `index` is the sample index.
+- A sample's outputs carry each generated token exactly once, in order; the last one has a
+  `finish_reason`. A client abort is not echoed back: the client ends its own stream.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import msgspec
+
+from deepinfer.sampling_params import SamplingParams
+
+# (token ids, logprobs, rank of the chosen token); column 0 is the chosen (or prompt) token.
+LogprobEntry = tuple[list[int], list[float], int]
+
+
+class _Msg(msgspec.Struct, array_like=True, tag=True):
+    """Base: positional encoding, tag = class name."""
+
+
+# --- API -> engine ---------------------------------------------------------------------------------
+class AddRequest(_Msg):
+    request_id: str
+    prompt_token_ids: list[int]
+    params: dict  # SamplingParams fields by name (see params_to_dict); validated in the engine
+    priority: int = 0
+    arrival_time: float = 0.0  # the client's time.time(); informational, scheduling uses engine arrival
+
+
+class AbortRequest(_Msg):
+    request_ids: list[str]  # parent ids; every sample of each is aborted
+
+
+class Shutdown(_Msg):
+    pass
+
+
+# --- engine -> API ---------------------------------------------------------------------------------
+class EngineReady(_Msg):
+    model_type: str
+    vocab_size: int
+    max_model_len: int
+    eos_token_ids: list[int]
+    block_size: int
+    num_blocks: int
+    bytes_per_token: float
+    kv_capacity_tokens: int  # num_blocks * block_size: a prompt must be shorter than this too
+    max_num_seqs: int
+
+
+class EngineFailure(_Msg):
+    message: str  # why the engine could not start, or why it is exiting
+
+
+class RequestError(_Msg):
+    request_id: str
+    message: str
+    status: int = 400  # 400: the request was invalid; 500: the engine failed to queue it
+
+
+class EngineOutput(_Msg):
+    request_id: str  # the parent id
+    index: int  # sample index in [0, n)
+    new_token_ids: list[int]  # raw token ids (EOS / stop token included when it ended the sample)
+    logprobs: list[LogprobEntry] | None = None  # one entry per new token when params.logprobs is set
+    prompt_logprobs: list[LogprobEntry] | None = None  # rows for prompt tokens 1.. in order, sent once
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"; None while running
+    stop_reason: int | str | None = None  # the stop token id that ended the sample, if any
+    num_prompt_tokens: int = 0
+    error: str | None = None  # set when finish_reason == "error"
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+class EngineStats(_Msg):
+    num_running: int
+    num_waiting: int
+    kv_usage: float  # fraction of blocks in use, [0, 1]
+    num_free_blocks: int
+    num_blocks: int
+    prompt_tokens_total: int  # prompt tokens of accepted requests (once per parent request)
+    generation_tokens_total: int  # tokens sent, over all samples
+    num_preemptions: int
+    timestamp: float  # engine time.time() when taken
+
+
+class EngineOutputs(_Msg):
+    outputs: list[EngineOutput]
+    stats: EngineStats | None = None
+
+
+InputMessage = AddRequest | AbortRequest | Shutdown
+OutputMessage = EngineReady | EngineFailure | RequestError | EngineOutputs
+
+_encoder = msgspec.msgpack.Encoder()
+_input_decoder = msgspec.msgpack.Decoder(InputMessage)
+_output_decoder = msgspec.msgpack.Decoder(OutputMessage)
+
+
+def encode(message: InputMessage | OutputMessage) -> bytes:
+    return _encoder.encode(message)
+
+
+def decode_input(data: bytes) -> InputMessage:
+    return _input_decoder.decode(data)
+
+
+def decode_output(data: bytes) -> OutputMessage:
+    return _output_decoder.decode(data)
+
+
+def params_to_dict(params: SamplingParams) -> dict:
+    """Every SamplingParams field by name; `SamplingParams(**d)` rebuilds (and revalidates) it."""
+    return {f.name: getattr(params, f.name) for f in dataclasses.fields(params)}
