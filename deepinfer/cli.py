@@ -1,4 +1,5 @@
-"""The `deepinfer` command line: `generate` for one prompt, `chat` for an interactive conversation.
+"""The `deepinfer` command line: `generate` for one prompt, `chat` for an interactive conversation,
+`serve` for the OpenAI-compatible HTTP server.
 
 Invariants: stdout carries only generated output (text, or one JSON object per line with --json);
 logs, progress bars and error messages go to stderr. Every ValueError (bad model path, bad option,
@@ -230,6 +231,7 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_generate_parser(commands)
     _add_chat_parser(commands)
+    _add_serve_parser(commands)
     return parser
 
 
@@ -256,6 +258,37 @@ def _add_chat_parser(commands) -> None:
                      help="thinking mode (chat_template_kwargs thinking)")
     _add_common(sub)
     sub.set_defaults(handler=run_chat)
+
+
+# --- serve -------------------------------------------------------------------------------------
+def run_serve(args: argparse.Namespace) -> int:
+    from deepinfer.server.launch import run_server  # the server's dependencies load only for `serve`
+
+    return run_server(args)
+
+
+def _add_serve_parser(commands) -> None:
+    sub = commands.add_parser("serve", help="OpenAI-compatible HTTP server (see docs/serving.md)")
+    sub.add_argument("model_path", nargs="?", metavar="MODEL", help="checkpoint directory (default: the bundled model)")
+    sub.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s, loopback only)")
+    sub.add_argument("--port", type=int, default=8000, help="port (default: %(default)s)")
+    sub.add_argument("--api-key", help="require `Authorization: Bearer KEY` on /v1/* (default: $DEEPINFER_API_KEY)")
+    sub.add_argument("--served-model-name", metavar="NAME",
+                     help="model name in the API (default: the model directory's name, deepinfer-default for "
+                          "the bundled model)")
+    sub.add_argument("--max-queue", type=int, default=512,
+                     help="in-flight requests before new ones get 429 (default: %(default)s)")
+    sub.add_argument("--drain-timeout", type=float, default=30.0,
+                     help="seconds in-flight requests may run after SIGTERM (default: %(default)s)")
+    sub.add_argument("--max-n", type=int, default=16, help="largest n per request (default: %(default)s)")
+    sub.add_argument("--max-body-bytes", type=int, default=16 * 2**20,
+                     help="largest request body, larger ones get 413 (default: %(default)s)")
+    sub.add_argument("--access-log", action=argparse.BooleanOptionalAction, default=True,
+                     help="log one line per HTTP request")
+    sub.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"),
+                     help="uvicorn's log level (default: %(default)s)")
+    add_engine_args(sub)
+    sub.set_defaults(handler=run_serve)
 
 
 class _StderrHandler(logging.StreamHandler):

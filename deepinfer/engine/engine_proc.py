@@ -268,7 +268,10 @@ def build_core(model_path: str | None, engine_kwargs: dict) -> EngineCore:
 def run_engine(model_path: str | None, engine_kwargs: dict, input_addr: str, output_addr: str,
                parent_pid: int | None = None, log_level: int | None = None) -> None:
     """Process entry point (started with the "spawn" context). Exits 1 after an EngineFailure."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle; it stops us
+    # Ctrl-C and SIGTERM to the process group are the parent's to handle: it drains, then sends Shutdown
+    # (and the parent-death check still ends us if the parent is killed outright).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     _setup_logging(log_level)
     ctx = zmq.Context()
     inp, out = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)

@@ -1,0 +1,141 @@
+"""`deepinfer serve`: start the engine process, then serve HTTP with uvicorn until told to stop.
+
+Lifecycle invariants:
+- the HTTP port is bound before the engine starts (a taken port fails in a second, not after the model
+  loaded) but listens only once the engine reported ready, so any answered /health means the server can
+  generate;
+- SIGTERM / SIGINT: uvicorn stops accepting connections and lets in-flight requests finish for up to
+  --drain-timeout seconds (then cancels them, which aborts their engine requests); the engine is shut
+  down afterwards and the exit status is 0;
+- engine death: /health answers 503 at once, in-flight requests end with an error, and after a short
+  grace the server shuts down and the process exits with EXIT_ENGINE_DEAD, so a supervisor restarts it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import socket
+import sys
+from pathlib import Path
+
+import uvicorn
+
+from deepinfer.llm import resolve_model
+from deepinfer.server.app import build_app
+from deepinfer.server.engine_client import AsyncEngineClient
+from deepinfer.server.metrics import Metrics
+from deepinfer.server.serving import ServerSettings, Serving
+from deepinfer.tokenizer import TOKENIZER_FILE, Tokenizer
+
+logger = logging.getLogger("deepinfer")
+
+EXIT_ENGINE_DEAD = 1
+EXIT_STARTUP_FAILED = 1
+BUNDLED_MODEL_NAME = "deepinfer-default"
+DEAD_ENGINE_GRACE_S = 1.0  # time for in-flight requests to send their errors (and /health its 503)
+DEAD_ENGINE_DRAIN_S = 2.0  # cap on the drain once the engine is gone: nothing can finish normally
+_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+def model_path(args: argparse.Namespace) -> str | None:
+    """MODEL (positional) or --model; giving both with different values is an error."""
+    positional, option = getattr(args, "model_path", None), getattr(args, "model", None)
+    if positional and option and positional != option:
+        raise ValueError(f"two models given: {positional!r} and --model {option!r}")
+    return positional or option
+
+
+def settings_from(args: argparse.Namespace, path: Path, bundled: bool) -> ServerSettings:
+    name = args.served_model_name or (BUNDLED_MODEL_NAME if bundled else path.name)
+    api_key = args.api_key if args.api_key is not None else os.environ.get("DEEPINFER_API_KEY") or None
+    for flag in ("max_queue", "max_n", "max_body_bytes"):
+        if getattr(args, flag) < 1:
+            raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
+    return ServerSettings(model_name=name, api_key=api_key, max_queue=args.max_queue, max_n=args.max_n,
+                          max_body_bytes=args.max_body_bytes)
+
+
+def run_server(args: argparse.Namespace) -> int:
+    """Serve until stopped; returns the process exit status."""
+    from deepinfer.cli import engine_kwargs  # the cli imports this module lazily, so no cycle
+
+    path, bundled = resolve_model(model_path(args))
+    if bundled:
+        print(f"deepinfer: using the bundled default model ({path.name})", flush=True)
+    settings = settings_from(args, path, bundled)
+    tokenizer = _load_tokenizer(Path(args.tokenizer) if args.tokenizer else path)
+    with bind_socket(args.host, args.port) as sock:
+        try:
+            return asyncio.run(_serve(args, sock, str(path), engine_kwargs(args), settings, tokenizer))
+        except RuntimeError as e:  # the engine could not start: a message, not a traceback
+            print(f"error: {e}", file=sys.stderr)
+            return EXIT_STARTUP_FAILED
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A bound, not yet listening, TCP socket (connections are refused until uvicorn listens)."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise ValueError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    return sock
+
+
+def _load_tokenizer(directory: Path) -> Tokenizer | None:
+    if not (directory / TOKENIZER_FILE).is_file():
+        logger.warning("no %s in the model directory: only token-id prompts can be served", TOKENIZER_FILE)
+        return None
+    return Tokenizer.from_dir(directory)
+
+
+async def _serve(args, sock: socket.socket, model: str, engine_kwargs: dict, settings: ServerSettings,
+                 tokenizer) -> int:
+    client = await AsyncEngineClient.start(model, engine_kwargs)
+    try:
+        serving = Serving(client, tokenizer, settings, Metrics(client.stats))
+        server = uvicorn.Server(_uvicorn_config(args, build_app(serving)))
+        watcher = asyncio.create_task(_stop_when_engine_dies(client, server))
+        with _signals_absorbed():
+            await server.serve(sockets=[sock])
+        watcher.cancel()
+    finally:
+        await client.shutdown()
+    return EXIT_ENGINE_DEAD if client.dead else 0
+
+
+def _uvicorn_config(args, app) -> uvicorn.Config:
+    return uvicorn.Config(app, host=args.host, port=args.port, lifespan="off", access_log=args.access_log,
+                          timeout_graceful_shutdown=args.drain_timeout, log_level=args.log_level)
+
+
+async def _stop_when_engine_dies(client: AsyncEngineClient, server: uvicorn.Server) -> None:
+    await client.dead_event.wait()
+    logger.error("the engine process is gone; the server shuts down with exit status %d", EXIT_ENGINE_DEAD)
+    await asyncio.sleep(DEAD_ENGINE_GRACE_S)
+    drain = server.config.timeout_graceful_shutdown
+    server.config.timeout_graceful_shutdown = min(drain, DEAD_ENGINE_DRAIN_S) if drain else DEAD_ENGINE_DRAIN_S
+    server.should_exit = True
+
+
+def _absorb(signum: int, frame) -> None:
+    """Stands in for the default handlers while uvicorn runs (see _signals_absorbed)."""
+
+
+@contextlib.contextmanager
+def _signals_absorbed():
+    """uvicorn re-raises the stop signal after its drain, meant for the previous handler; with the
+    default one the process would die there, before the engine is shut down. This absorbs it."""
+    previous = {sig: signal.signal(sig, _absorb) for sig in _STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)

@@ -1,0 +1,109 @@
+"""Prometheus metrics, in a registry of our own (never the process-global one).
+
+Engine-side gauges (running / waiting requests, KV-cache usage and free blocks, preemptions) are read
+from the latest EngineStats at scrape time, so a scrape always shows the engine's most recent report.
+Request-side counters and histograms are recorded by the API process as outputs reach clients.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+PREFIX = "deepinfer:"
+_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+                    10.0, 20.0, 40.0, 80.0, 160.0, 640.0)
+_E2E_BUCKETS = (0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+                240.0, 480.0, 960.0, 1920.0)
+
+
+class _EngineStatsCollector:
+    """Gauges from `stats()` (an EngineStats or None before the engine's first report)."""
+
+    def __init__(self, stats: Callable[[], object]):
+        self._stats = stats
+
+    def describe(self) -> list[Metric]:
+        return []  # collected lazily: the engine may not have reported yet at registration
+
+    def collect(self) -> Iterator[Metric]:
+        s = self._stats()
+        gauges = {
+            "num_requests_running": ("requests running in the engine", getattr(s, "num_running", 0)),
+            "num_requests_waiting": ("requests waiting in the engine", getattr(s, "num_waiting", 0)),
+            "kv_cache_usage_perc": ("fraction of KV-cache blocks in use (1 = full)", getattr(s, "kv_usage", 0.0)),
+            "kv_cache_free_blocks": ("free KV-cache blocks", getattr(s, "num_free_blocks", 0)),
+            "kv_cache_total_blocks": ("KV-cache blocks in the pool", getattr(s, "num_blocks", 0)),
+        }
+        for name, (doc, value) in gauges.items():
+            yield GaugeMetricFamily(PREFIX + name, doc, value=value)
+        yield CounterMetricFamily(PREFIX + "num_preemptions", "requests preempted by the scheduler",
+                                  value=getattr(s, "num_preemptions", 0))
+
+
+class Metrics:
+    def __init__(self, stats: Callable[[], object]):
+        disable_created_metrics()  # no `_created` series (process-wide setting; nothing else here uses them)
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(_EngineStatsCollector(stats))
+        self._counters()
+        self._histograms()
+
+    def _counter(self, name: str, doc: str, labels: tuple[str, ...] = ()) -> Counter:
+        return Counter(PREFIX + name, doc, labels, registry=self.registry)
+
+    def _histogram(self, name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+        return Histogram(PREFIX + name, doc, buckets=buckets, registry=self.registry)
+
+    def _counters(self) -> None:
+        self.prompt_tokens = self._counter("prompt_tokens", "prompt tokens of accepted requests")
+        self.generation_tokens = self._counter("generation_tokens", "generated tokens sent to clients")
+        self.request_success = self._counter("request_success", "finished choices by finish reason",
+                                             ("finished_reason",))
+        # no prefix cache yet: exported as 0 so dashboards can be built now
+        self.prefix_cache_queries = self._counter("prefix_cache_queries", "prompt tokens looked up")
+        self.prefix_cache_hits = self._counter("prefix_cache_hits", "prompt tokens found in the prefix cache")
+
+    def _histograms(self) -> None:
+        self.ttft = self._histogram("time_to_first_token_seconds", "arrival to first token", _LATENCY_BUCKETS)
+        self.itl = self._histogram("inter_token_latency_seconds", "time between outputs of a choice, per token",
+                                   _LATENCY_BUCKETS)
+        self.e2e = self._histogram("e2e_request_latency_seconds", "arrival to last token", _E2E_BUCKETS)
+        self.queue_time = self._histogram("request_queue_time_seconds",
+                                          "arrival to first engine output (approximates queueing)", _E2E_BUCKETS)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+@dataclass
+class RequestTimer:
+    """Latency bookkeeping of one HTTP request; `last` holds each choice's previous output time."""
+
+    metrics: Metrics
+    arrival: float = field(default_factory=time.monotonic)
+    first: float | None = None
+    last: dict[int, float] = field(default_factory=dict)
+
+    def on_tokens(self, choice: int, num_tokens: int) -> None:
+        now = time.monotonic()
+        if self.first is None:
+            self.first = now
+            self.metrics.ttft.observe(now - self.arrival)
+            self.metrics.queue_time.observe(now - self.arrival)
+        elif choice in self.last and num_tokens:
+            gap = (now - self.last[choice]) / num_tokens
+            for _ in range(num_tokens):
+                self.metrics.itl.observe(gap)
+        self.last[choice] = now
+        self.metrics.generation_tokens.inc(num_tokens)
+
+    def on_finish(self, reason: str) -> None:
+        self.metrics.request_success.labels(finished_reason=reason).inc()
+
+    def on_done(self) -> None:
+        self.metrics.e2e.observe(time.monotonic() - self.arrival)

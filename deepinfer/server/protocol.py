@@ -1,0 +1,128 @@
+"""Request bodies of the OpenAI-compatible API (pydantic), plus vLLM's sampling extensions.
+
+Invariants: unknown fields are ignored (as vLLM does); floats are finite (NaN / Infinity are rejected
+at parsing, so they never reach the sampler); every integer that travels to the engine is bounded
+so it fits the wire format. Semantic checks (ranges of temperature, top_p, ...) stay in
+SamplingParams, whose ValueError the server answers with 400.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+# Token ids and counts travel as msgpack integers; anything past int32 is a client error anyway.
+MAX_INT = 2**31 - 1
+BoundedInt = Annotated[int, Field(ge=-MAX_INT, le=MAX_INT)]
+TokenId = Annotated[int, Field(ge=0, le=MAX_INT)]
+MAX_LOGPROBS = 20  # OpenAI's limit for top_logprobs; vLLM's default max_logprobs
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+class TextPart(_Body):
+    """A content part; only text parts are supported (serving answers 400 for other types)."""
+
+    type: str = "text"
+    text: str | None = None
+
+
+class ChatMessage(_Body):
+    role: str
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+    reasoning_content: str | None = None
+
+    def template_dict(self) -> dict[str, Any]:
+        """The message as the chat template sees it: content parts joined into one string."""
+        data = self.model_dump(exclude_none=True)
+        if isinstance(self.content, list):
+            data["content"] = "".join(part.text or "" for part in self.content)
+        return data
+
+
+class _SamplingFields(_Body):
+    """Fields shared by /v1/completions and /v1/chat/completions."""
+
+    model: str | None = None
+    n: BoundedInt = 1
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: BoundedInt | None = None
+    min_p: float | None = None
+    seed: Annotated[int, Field(ge=-(2**63), le=2**63 - 1 - MAX_INT)] | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[TokenId] | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    ignore_eos: bool = False
+    min_tokens: BoundedInt = 0
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    priority: BoundedInt = 0
+    return_tokens_as_token_ids: bool = False  # vLLM: logprob tokens read "token_id:<id>"
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessage]
+    max_tokens: BoundedInt | None = None
+    max_completion_tokens: BoundedInt | None = None
+    logprobs: bool = False
+    top_logprobs: BoundedInt | None = None
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    @property
+    def output_limit(self) -> int | None:
+        """max_completion_tokens is OpenAI's newer name; it wins when both are given."""
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    @property
+    def num_logprobs(self) -> int | None:
+        """top-N per token, or None without logprobs (top_logprobs alone asks for nothing)."""
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+
+PromptInput = str | list[str] | list[TokenId] | list[list[TokenId]]
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: PromptInput
+    max_tokens: BoundedInt | None = 16  # OpenAI's default for completions
+    logprobs: BoundedInt | None = None
+    echo: bool = False
+    suffix: str | None = None
+
+    @property
+    def num_logprobs(self) -> int | None:
+        return self.logprobs
+
+
+class TokenizeRequest(_Body):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+class DetokenizeRequest(_Body):
+    model: str | None = None
+    tokens: list[TokenId]
+

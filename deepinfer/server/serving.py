@@ -1,0 +1,653 @@
+"""Request handling for /v1/completions and /v1/chat/completions: prompts, sampling parameters,
+engine streams -> choices (detokenisation, stop strings, logprobs, reasoning), and the OpenAI
+response / SSE chunk shapes.
+
+Invariants:
+- a request is admitted (counted against --max-queue) only after it validated, and released exactly
+  once, when its response finished or was abandoned (GuardedStream / `finally`);
+- a choice's text, token ids and logprobs only grow, and nothing is added after it finished;
+- every engine stream a request opened is closed when the request ends, however it ends (normal end,
+  stop string, client disconnect, error), so the engine never keeps computing for nobody;
+- a failure inside one request fails that request only (its response carries the error).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import jinja2
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from deepinfer.engine.detokenizer import IncrementalDetokenizer
+from deepinfer.sampling_params import SamplingParams
+from deepinfer.server.engine_client import EngineDeadError
+from deepinfer.server.errors import APIError, bad_request
+from deepinfer.server.metrics import Metrics, RequestTimer
+from deepinfer.server.protocol import (
+    MAX_LOGPROBS,
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
+from deepinfer.server.reasoning import ReasoningStream, split_reasoning, thinking_enabled
+
+logger = logging.getLogger("deepinfer")
+
+MIN_LOGPROB = -9999.0  # -inf is not JSON; OpenAI clients get this floor instead (as from vLLM)
+MAX_STOP_STRINGS = 32  # each generated token is checked against every stop string
+_RESERVED_TEMPLATE_KWARGS = ("messages", "add_generation_prompt", "tokenize")
+_OPTIONAL_SAMPLING = ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty",
+                      "frequency_penalty", "repetition_penalty")
+
+
+@dataclass
+class ServerSettings:
+    model_name: str
+    api_key: str | None = None
+    max_queue: int = 512
+    max_n: int = 16
+    max_body_bytes: int = 16 * 2**20
+    retry_after_s: int = 1
+
+
+class Admission:
+    """In-flight engine requests; invariant: 0 <= count <= limit."""
+
+    def __init__(self, limit: int, retry_after_s: int):
+        self.limit, self.retry_after_s, self.count = limit, retry_after_s, 0
+
+    def acquire(self, k: int) -> None:
+        if k > self.limit:
+            raise bad_request(f"{k} prompts exceed the server's limit of {self.limit} in-flight requests",
+                              param="prompt")
+        if self.count + k > self.limit:
+            raise APIError(429, f"the server is at its limit of {self.limit} in-flight requests; retry later",
+                           headers={"Retry-After": str(self.retry_after_s)})
+        self.count += k
+
+    def release(self, k: int) -> None:
+        self.count -= k
+
+
+# --- prompts -------------------------------------------------------------------------------------
+@dataclass
+class Prompt:
+    text: str | None
+    token_ids: list[int]
+    thinking: bool = False  # the prompt leaves the model inside <think>
+
+
+class _NoText:
+    """Decoder for checkpoints without a tokenizer: outputs are token ids only (text stays empty)."""
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return ""
+
+
+def _encode(tokenizer, text: str, add_special_tokens: bool = True) -> list[int]:
+    try:
+        text.encode("utf-8")  # JSON can carry lone surrogates ("\ud800"); tokenizers cannot
+    except UnicodeEncodeError as e:
+        raise bad_request(f"the text is not valid Unicode ({e.reason} at index {e.start})", param="prompt") from None
+    return tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+
+def _check_text_only(messages: list) -> None:
+    for i, message in enumerate(messages):
+        for part in message.content if isinstance(message.content, list) else ():
+            if part.type != "text":
+                raise bad_request(f"messages[{i}]: only text content parts are supported, got {part.type!r}",
+                                  param="messages")
+
+
+def render_chat(tokenizer, messages: list, add_generation_prompt: bool, kwargs: dict | None) -> str:
+    """The chat template applied to `messages`; template and input problems are the client's (400)."""
+    _check_text_only(messages)
+    extra = {k: v for k, v in (kwargs or {}).items() if k not in _RESERVED_TEMPLATE_KWARGS}
+    try:
+        return tokenizer.apply_chat_template([m.template_dict() for m in messages], add_generation_prompt,
+                                             **extra)
+    except (jinja2.TemplateError, TypeError, ValueError, UnicodeError) as e:
+        raise bad_request(f"the chat template could not be applied: {e}", param="messages") from None
+
+
+# --- choices -------------------------------------------------------------------------------------
+@dataclass
+class Choice:
+    index: int  # the OpenAI choice index: prompt index * n + sample index
+    detok: IncrementalDetokenizer
+    logprobs: list | None  # kept (ids, logprobs, rank) entries when logprobs were asked for
+    reasoning: ReasoningStream | None = None  # streaming chat with thinking on
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.detok.output_token_ids)
+
+
+@dataclass
+class Update:
+    """What one engine output changed in one choice."""
+
+    choice: Choice
+    text: str
+    num_tokens: int  # output tokens kept (tokens after a stop string are dropped)
+    logprobs: list
+    finished: bool
+
+
+def _engine_error(exc: Exception, dead: bool) -> APIError:
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, EngineDeadError):  # gone before this request reached it
+        return APIError(503, f"the engine is not running: {exc}", code="engine_dead")
+    if isinstance(exc, ValueError):
+        return bad_request(str(exc))
+    if dead:
+        return APIError(500, f"the engine died while the request ran: {exc}", code="engine_dead")
+    return APIError(500, f"the engine failed the request: {exc}")
+
+
+class Generation:
+    """One engine request (one prompt, n samples)."""
+
+    def __init__(self, job: Job, request_id: str, prompt: Prompt, first_index: int):
+        self.job, self.request_id, self.prompt = job, request_id, prompt
+        params = job.params
+        self.choices = [job.new_choice(first_index + i, prompt) for i in range(params.n)]
+        self.prompt_logprobs: list = []
+
+    async def updates(self) -> AsyncIterator[Update]:
+        client = self.job.serving.client
+        stream = client.generate(self.request_id, self.prompt.token_ids, self.job.params, self.job.priority)
+        try:
+            async for out in stream:  # closed in `finally`, which aborts the engine request if unfinished
+                update = self._apply(out)
+                if update is not None:
+                    yield update
+                if all(c.finished for c in self.choices):
+                    break  # stop strings may end choices before the engine does
+        except Exception as e:
+            raise _engine_error(e, client.dead) from e
+        finally:
+            await stream.aclose()  # aborts the engine request unless it already finished
+
+    def _apply(self, out) -> Update | None:
+        if out.error is not None:
+            raise APIError(500, out.error, code="engine_dead" if self.job.serving.client.dead else None)
+        self.prompt_logprobs.extend(out.prompt_logprobs or ())
+        choice = self.choices[out.index]
+        if choice.finished:
+            return None  # a stop string ended it; the engine (aborting per request only) may still send
+        before = choice.num_tokens
+        stop = choice.detok.append(out.new_token_ids)
+        kept = choice.num_tokens - before
+        entries = list(out.logprobs or ())[:kept] if choice.logprobs is not None else []
+        if choice.logprobs is not None:
+            choice.logprobs.extend(entries)
+        self._finish(choice, stop, out)
+        return Update(choice, choice.detok.get_delta(choice.finished), kept, entries, choice.finished)
+
+    def _finish(self, choice: Choice, stop: str | None, out) -> None:
+        if stop is not None:
+            choice.finish_reason, choice.stop_reason = "stop", stop
+        elif out.finish_reason is not None:
+            choice.finish_reason, choice.stop_reason = out.finish_reason, out.stop_reason
+
+
+async def _merge(streams: list[AsyncIterator[Update]]) -> AsyncIterator[Update]:
+    """Interleave several prompts' updates as they come; closing this closes (aborts) them all."""
+    if len(streams) == 1:
+        async with contextlib.aclosing(streams[0]) as stream:
+            async for item in stream:
+                yield item
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+    tasks = [asyncio.create_task(_pump(s, queue)) for s in streams]
+    try:
+        for _ in range(len(tasks)):
+            while (item := await queue.get()) is not None:
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+async def _pump(stream: AsyncIterator[Update], queue: asyncio.Queue) -> None:
+    """Copies one stream into `queue`, then None; an exception travels as the item."""
+    try:
+        async with contextlib.aclosing(stream):
+            async for item in stream:
+                queue.put_nowait(item)
+    except Exception as e:
+        queue.put_nowait(e)
+    queue.put_nowait(None)
+
+
+class Job:
+    """One HTTP request: its generations (one per prompt), choices, usage and timing."""
+
+    def __init__(self, serving: Serving, request_id: str, prompts: list[Prompt], params: SamplingParams,
+                 priority: int, stream: bool):
+        self.serving, self.request_id, self.prompts = serving, request_id, prompts
+        self.params, self.priority, self.stream = params, priority, stream
+        self.created = int(time.time())
+        self.timer = RequestTimer(serving.metrics)
+        ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
+        self.generations = [Generation(self, rid, p, i * params.n) for i, (rid, p) in enumerate(zip(ids, prompts))]
+        self.choices = [c for g in self.generations for c in g.choices]
+
+    def new_choice(self, index: int, prompt: Prompt) -> Choice:
+        detok = IncrementalDetokenizer(self.serving.decoder, prompt.token_ids, self.params)
+        reasoning = ReasoningStream() if prompt.thinking and self.stream else None
+        return Choice(index, detok, [] if self.params.logprobs is not None else None, reasoning)
+
+    async def updates(self) -> AsyncIterator[Update]:
+        async with contextlib.aclosing(_merge([g.updates() for g in self.generations])) as merged:
+            async for update in merged:
+                self._observe(update)
+                yield update
+        self.timer.on_done()
+
+    def _observe(self, update: Update) -> None:
+        if update.num_tokens:
+            self.timer.on_tokens(update.choice.index, update.num_tokens)
+        if update.finished:
+            self.timer.on_finish(update.choice.finish_reason)
+
+    async def run(self) -> None:
+        async with contextlib.aclosing(self.updates()) as updates:
+            async for _ in updates:
+                pass
+
+    def usage(self) -> dict[str, int]:
+        prompt = sum(len(p.token_ids) for p in self.prompts)
+        completion = sum(c.num_tokens for c in self.choices)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+# --- SSE -----------------------------------------------------------------------------------------
+def sse(data: dict[str, Any] | str) -> str:
+    payload = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False, separators=(",", ":"))
+    return f"data: {payload}\n\n"
+
+
+class GuardedStream(StreamingResponse):
+    """A StreamingResponse that always runs `on_close` and closes its body iterator, even when the
+    client went away before the first chunk (the iterator is then never started by Starlette)."""
+
+    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None]):
+        super().__init__(content, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self._on_close = on_close
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_close()
+            await self.body_iterator.aclose()
+
+
+async def _error_events(events: AsyncIterator[str]) -> AsyncIterator[str]:
+    """Passes events through; a failure becomes an error event. Always ends with [DONE]."""
+    try:
+        async with contextlib.aclosing(events):
+            async for event in events:
+                yield event
+    except APIError as e:
+        yield sse(e.json())
+    except Exception as e:
+        logger.exception("a streaming request failed")
+        yield sse(APIError(500, f"internal server error ({type(e).__name__})").json())
+    yield sse("[DONE]")
+
+
+async def run_until_disconnect(request: Request, work: Awaitable[None]) -> bool:
+    """Runs `work`; cancels it if the client disconnects first. True when the work completed."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+    if not task.done() or task.cancelled():
+        return False
+    task.result()  # re-raise the request's own error
+    return True
+
+
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+# --- logprob shapes ------------------------------------------------------------------------------
+def _floor(lp: float) -> float:
+    return max(float(lp), MIN_LOGPROB)
+
+
+# --- the service ---------------------------------------------------------------------------------
+class Serving:
+    def __init__(self, client, tokenizer, settings: ServerSettings, metrics: Metrics):
+        self.client, self.tokenizer, self.settings, self.metrics = client, tokenizer, settings, metrics
+        self.decoder = tokenizer if tokenizer is not None else _NoText()
+        self.admission = Admission(settings.max_queue, settings.retry_after_s)
+        self._pieces: dict[int, str] = {}
+
+    @property
+    def max_model_len(self) -> int:
+        return self.client.ready.max_model_len
+
+    # --- checks ----------------------------------------------------------------------------------
+    def check_request(self, model: str | None) -> None:
+        if self.client.dead or getattr(self.client, "closed", False):
+            raise APIError(503, "the engine is not running", code="engine_dead")
+        if model is not None and model != self.settings.model_name:
+            raise APIError(404, f"the model `{model}` does not exist; this server serves "
+                                f"`{self.settings.model_name}`", param="model", code="model_not_found")
+
+    def _require_tokenizer(self, what: str):
+        if self.tokenizer is None:
+            raise bad_request(f"{what} needs a tokenizer, and this model has no tokenizer.json")
+        return self.tokenizer
+
+    def _check_prompt(self, ids: list[int], max_tokens: int | None) -> None:
+        """What the engine would reject, answered here with a 400 before anything is queued."""
+        vocab = self.client.ready.vocab_size
+        if not ids:
+            raise bad_request("the prompt is empty", param="prompt")
+        bad = next((t for t in ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise bad_request(f"token id {bad} is outside the vocabulary [0, {vocab})", param="prompt")
+        self._check_length(len(ids), max_tokens)
+
+    def _check_length(self, n: int, max_tokens: int | None) -> None:
+        limit = self.max_model_len
+        capacity = min(limit, getattr(self.client.ready, "kv_capacity_tokens", limit))
+        if n >= capacity:
+            raise bad_request(f"the prompt has {n} tokens but the model's context (or KV cache) holds {capacity} "
+                              "tokens, and at least one must be left for the output", param="prompt")
+        if max_tokens is not None and n + max_tokens > limit:
+            raise bad_request(f"this model's maximum context length is {limit} tokens, but {n} prompt tokens + "
+                              f"max_tokens {max_tokens} were requested", param="max_tokens")
+
+    # --- sampling parameters ---------------------------------------------------------------------
+    def sampling_params(self, req, max_tokens: int | None, echo_logprobs: bool = False) -> SamplingParams:
+        """SamplingParams for `req`; every invalid value is a 400 naming the problem."""
+        self._check_limits(req)
+        stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+        num = req.num_logprobs
+        chosen = {k: getattr(req, k) for k in _OPTIONAL_SAMPLING if getattr(req, k) is not None}
+        try:
+            return SamplingParams(n=req.n, max_tokens=max_tokens, stop=stop, stop_token_ids=req.stop_token_ids or [],
+                                  ignore_eos=req.ignore_eos, min_tokens=req.min_tokens, logprobs=num,
+                                  prompt_logprobs=num if echo_logprobs else None,
+                                  skip_special_tokens=req.skip_special_tokens,
+                                  include_stop_str_in_output=req.include_stop_str_in_output, **chosen)
+        except ValueError as e:
+            raise bad_request(str(e)) from None
+
+    def _check_limits(self, req) -> None:
+        """The server's own limits (SamplingParams checks the rest)."""
+        if not 1 <= req.n <= self.settings.max_n:
+            raise bad_request(f"n must be in [1, {self.settings.max_n}], got {req.n}", param="n")
+        num = req.num_logprobs
+        if num is not None and not 0 <= num <= MAX_LOGPROBS:
+            raise bad_request(f"logprobs must be in [0, {MAX_LOGPROBS}], got {num}", param="logprobs")
+        if isinstance(req.stop, list) and len(req.stop) > MAX_STOP_STRINGS:
+            raise bad_request(f"at most {MAX_STOP_STRINGS} stop strings, got {len(req.stop)}", param="stop")
+
+    # --- jobs ------------------------------------------------------------------------------------
+    async def respond(self, request: Request, job: Job, shape: _Shape) -> Response:
+        """Admit the job, then answer: SSE when streaming, else one JSON body."""
+        k = len(job.prompts)
+        self.admission.acquire(k)
+        self.metrics.prompt_tokens.inc(sum(len(p.token_ids) for p in job.prompts))
+        if job.stream:
+            return GuardedStream(_error_events(shape.events(job)), lambda: self.admission.release(k))
+        try:
+            done = await run_until_disconnect(request, job.run())
+        finally:
+            self.admission.release(k)
+        return JSONResponse(shape.response(job)) if done else Response(status_code=499)
+
+    # --- chat ------------------------------------------------------------------------------------
+    async def chat(self, req: ChatCompletionRequest, request: Request) -> Response:
+        self.check_request(req.model)
+        tok = self._require_tokenizer("chat")
+        text = render_chat(tok, req.messages, req.add_generation_prompt, req.chat_template_kwargs)
+        prompt = Prompt(text, _encode(tok, text, add_special_tokens=False), thinking_enabled(text))
+        self._check_prompt(prompt.token_ids, req.output_limit)
+        params = self.sampling_params(req, req.output_limit)
+        job = Job(self, f"chatcmpl-{uuid.uuid4().hex}", [prompt], params, req.priority, req.stream)
+        return await self.respond(request, job, ChatShape(self, req))
+
+    # --- completions -----------------------------------------------------------------------------
+    async def completions(self, req: CompletionRequest, request: Request) -> Response:
+        self.check_request(req.model)
+        if req.suffix:
+            raise bad_request("suffix is not supported", param="suffix")
+        prompts = self._completion_prompts(req.prompt)
+        for p in prompts:
+            self._check_prompt(p.token_ids, req.max_tokens)
+        params = self.sampling_params(req, req.max_tokens, echo_logprobs=req.echo and req.logprobs is not None)
+        job = Job(self, f"cmpl-{uuid.uuid4().hex}", prompts, params, req.priority, req.stream)
+        return await self.respond(request, job, CompletionShape(self, req))
+
+    def _completion_prompts(self, prompt) -> list[Prompt]:
+        """str | list[str] | list[int] | list[list[int]] -> one Prompt per engine request."""
+        if isinstance(prompt, str):
+            return [self._text_prompt(prompt)]
+        if not prompt:
+            raise bad_request("the prompt is empty", param="prompt")
+        if all(isinstance(t, int) for t in prompt):
+            return [Prompt(None, list(prompt))]
+        return [self._text_prompt(p) if isinstance(p, str) else Prompt(None, list(p)) for p in prompt]
+
+    def _text_prompt(self, text: str) -> Prompt:
+        return Prompt(text, _encode(self._require_tokenizer("a text prompt"), text))
+
+    # --- tokenize / detokenize -------------------------------------------------------------------
+    def tokenize(self, req: TokenizeRequest) -> dict[str, Any]:
+        self.check_request(req.model)
+        tok = self._require_tokenizer("tokenize")
+        if (req.prompt is None) == (req.messages is None):
+            raise bad_request("give exactly one of prompt and messages")
+        if req.messages is not None:
+            text = render_chat(tok, req.messages, req.add_generation_prompt, req.chat_template_kwargs)
+            ids = _encode(tok, text, add_special_tokens=False)
+        else:
+            ids = _encode(tok, req.prompt, req.add_special_tokens)
+        return {"count": len(ids), "max_model_len": self.max_model_len, "tokens": ids}
+
+    def detokenize(self, req: DetokenizeRequest) -> dict[str, Any]:
+        self.check_request(req.model)
+        tok = self._require_tokenizer("detokenize")
+        return {"prompt": tok.decode(req.tokens)}  # ids the tokenizer lacks decode to nothing, as in outputs
+
+    # --- token pieces ----------------------------------------------------------------------------
+    def visible(self, token_id: int) -> str:
+        """A token's text as it appears in outputs (special tokens skipped)."""
+        return self.decoder.decode([token_id])
+
+    def piece(self, token_id: int, as_id: bool = False) -> str:
+        """A token's own text (special tokens included), as logprobs show it; "token_id:<id>" with `as_id`."""
+        if as_id:
+            return f"token_id:{token_id}"
+        if token_id not in self._pieces:
+            text = self.tokenizer.decode([token_id], skip_special_tokens=False) if self.tokenizer else ""
+            self._pieces[token_id] = text
+        return self._pieces[token_id]
+
+
+# --- response shapes -----------------------------------------------------------------------------
+class _Shape:
+    """How one endpoint renders a job: the whole response, and the SSE events of a stream."""
+
+    object_name = ""
+    chunk_name = ""
+
+    def __init__(self, serving: Serving, req):
+        self.serving, self.req = serving, req
+
+    def piece(self, token_id: int) -> str:
+        return self.serving.piece(token_id, self.req.return_tokens_as_token_ids)
+
+    def _envelope(self, job: Job, name: str) -> dict[str, Any]:
+        return {"id": job.request_id, "object": name, "created": job.created,
+                "model": self.serving.settings.model_name}
+
+    def response(self, job: Job) -> dict[str, Any]:
+        choices = [self.final_choice(job, c) for c in job.choices]
+        return {**self._envelope(job, self.object_name), "choices": choices, "usage": job.usage()}
+
+    def chunk(self, job: Job, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        return {**self._envelope(job, self.chunk_name), "choices": choices}
+
+    async def events(self, job: Job) -> AsyncIterator[str]:
+        for event in self.opening(job):
+            yield sse(event)
+        async with contextlib.aclosing(job.updates()) as updates:
+            async for update in updates:
+                body = self.update_choice(update)
+                if body is not None:
+                    yield sse(self.chunk(job, [body]))
+        if self.req.include_usage:
+            yield sse({**self.chunk(job, []), "usage": job.usage()})
+
+    def opening(self, job: Job) -> Iterator[dict[str, Any]]:
+        return iter(())
+
+    def final_choice(self, job: Job, choice: Choice) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def update_choice(self, update: Update) -> dict[str, Any] | None:
+        raise NotImplementedError
+
+
+class ChatShape(_Shape):
+    object_name, chunk_name = "chat.completion", "chat.completion.chunk"
+
+    def final_choice(self, job: Job, choice: Choice) -> dict[str, Any]:
+        message: dict[str, Any] = {"role": "assistant", "content": choice.detok.output_text}
+        if job.prompts[0].thinking:
+            message["reasoning_content"], message["content"] = split_reasoning(choice.detok.output_text)
+        return {"index": choice.index, "message": message, "logprobs": self._logprobs(choice.logprobs),
+                "finish_reason": choice.finish_reason, "stop_reason": choice.stop_reason}
+
+    def opening(self, job: Job) -> Iterator[dict[str, Any]]:
+        for choice in job.choices:
+            body = {"index": choice.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                    "finish_reason": None}
+            yield self.chunk(job, [body])
+
+    def update_choice(self, update: Update) -> dict[str, Any] | None:
+        delta = self._delta(update)
+        if not (delta or update.logprobs or update.finished):
+            return None
+        choice = update.choice
+        return {"index": choice.index, "delta": delta, "logprobs": self._logprobs(update.logprobs),
+                "finish_reason": choice.finish_reason if update.finished else None,
+                **({"stop_reason": choice.stop_reason} if update.finished else {})}
+
+    @staticmethod
+    def _delta(update: Update) -> dict[str, str]:
+        if update.choice.reasoning is None:
+            return {"content": update.text} if update.text else {}
+        reasoning, content = update.choice.reasoning.feed(update.text, final=update.finished)
+        return {k: v for k, v in (("reasoning_content", reasoning), ("content", content)) if v}
+
+    def _logprobs(self, entries: list | None) -> dict[str, Any] | None:
+        if entries is None or self.req.num_logprobs is None:
+            return None
+        return {"content": [self._token_logprob(e) for e in entries]}
+
+    def _token_logprob(self, entry) -> dict[str, Any]:
+        ids, lps, _ = entry
+        top = [self._top(t, lp) for t, lp in zip(ids[1:], lps[1:])]
+        return {**self._top(ids[0], lps[0]), "top_logprobs": top}
+
+    def _top(self, token_id: int, lp: float) -> dict[str, Any]:
+        piece = self.piece(token_id)
+        return {"token": piece, "logprob": _floor(lp), "bytes": list(piece.encode("utf-8", "replace"))}
+
+
+class CompletionShape(_Shape):
+    object_name = chunk_name = "text_completion"
+
+    def final_choice(self, job: Job, choice: Choice) -> dict[str, Any]:
+        prefix = self._echo(job, choice)
+        entries = choice.logprobs
+        if prefix and entries is not None:
+            gen = job.generations[choice.index // job.params.n]
+            entries = [None, *gen.prompt_logprobs, *entries]
+            return self._choice(choice, prefix + choice.detok.output_text,
+                                self._logprobs(entries, 0, gen.prompt.token_ids[:1]))
+        return self._choice(choice, prefix + choice.detok.output_text, self._logprobs(entries, len(prefix)))
+
+    def _choice(self, choice: Choice, text: str, logprobs) -> dict[str, Any]:
+        return {"index": choice.index, "text": text, "logprobs": logprobs, "finish_reason": choice.finish_reason,
+                "stop_reason": choice.stop_reason}
+
+    def _echo(self, job: Job, choice: Choice) -> str:
+        if not self.req.echo:
+            return ""
+        prompt = job.generations[choice.index // job.params.n].prompt
+        return prompt.text if prompt.text is not None else self.serving.decoder.decode(prompt.token_ids)
+
+    def opening(self, job: Job) -> Iterator[dict[str, Any]]:
+        for choice in job.choices if self.req.echo else ():
+            body = {"index": choice.index, "text": self._echo(job, choice), "logprobs": None, "finish_reason": None}
+            yield self.chunk(job, [body])
+
+    def update_choice(self, update: Update) -> dict[str, Any] | None:
+        if not (update.text or update.logprobs or update.finished):
+            return None
+        choice = update.choice
+        offset = len(choice.detok.output_text) - len(update.text)
+        return {"index": choice.index, "text": update.text,
+                "logprobs": self._logprobs(update.logprobs if choice.logprobs is not None else None, offset),
+                "finish_reason": choice.finish_reason if update.finished else None,
+                **({"stop_reason": choice.stop_reason} if update.finished else {})}
+
+    def _logprobs(self, entries: list | None, offset: int, first_ids: list[int] = ()) -> dict[str, Any] | None:
+        """OpenAI's legacy shape; a None entry is the first prompt token (it has no logprob).
+        text_offset advances by each token's visible text (special tokens add nothing)."""
+        if entries is None:
+            return None
+        out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for entry in entries:
+            token_id = entry[0][0] if entry is not None else first_ids[0]
+            piece = self.piece(token_id)
+            out["tokens"].append(piece)
+            out["token_logprobs"].append(_floor(entry[1][0]) if entry is not None else None)
+            out["top_logprobs"].append(self._top(entry) if entry is not None else None)
+            out["text_offset"].append(offset)
+            offset += len(self.serving.visible(token_id))
+        return out
+
+    def _top(self, entry) -> dict[str, float]:
+        ids, lps, _ = entry
+        top = {self.piece(t): _floor(lp) for t, lp in zip(ids[1:], lps[1:])}
+        top.setdefault(self.piece(ids[0]), _floor(lps[0]))
+        return top
