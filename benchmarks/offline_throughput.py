@@ -77,8 +77,8 @@ def active_parameters(model) -> int:
     return total - cfg.num_layers * (cfg.n_routed_experts - cfg.num_experts_per_tok) * per_expert
 
 
-def gemm_flops(seconds: float = 3.0, n: int = 2048) -> float:
-    a, b = torch.randn(n, n), torch.randn(n, n)
+def gemm_flops(seconds: float = 3.0, n: int = 2048, dtype: torch.dtype = torch.float32) -> float:
+    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
     for _ in range(2):
         a @ b
     count, start = 0, time.perf_counter()
@@ -162,16 +162,20 @@ def plot(result: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
-    names = ["transformers\n(default bf16)", "transformers\n(fp32)", "deepinfer\n(auto: fp32)"]
-    values = [result["transformers_default_bs16_tok_s"], result["transformers_fp32_bs16_tok_s"],
-              result["deepinfer_bs16_tok_s"]]
-    a.bar(names, values, color=["#bbb", "#888", "#2a7"])
-    a.set_ylabel("output tokens / s, batch 16")
-    a.set_yscale("log")
-    a.set_title(f"{result['speedup_vs_default']:.0f}x default transformers, "
-                f"{result['speedup_vs_fp32']:.1f}x fp32 transformers", fontsize=9)
-    shares = [result["decode_bs64"]["mfu"], 1 - result["decode_bs64"]["forward_share"]]
-    b.bar(["decode MFU\n(vs fp32 GEMM)", "step time outside\nmodel forward"], shares, color=["#27a", "#a72"])
+    names = ["transformers\nbf16", "deepinfer\nbf16", "transformers\nfp32", "deepinfer\nfp32",
+             "deepinfer bf16\nbatch 64 decode"]
+    values = [result["transformers_default_bs16_tok_s"], result["deepinfer_bf16_bs16_tok_s"],
+              result["transformers_fp32_bs16_tok_s"], result["deepinfer_bs16_tok_s"],
+              result["decode_bs64_bf16"]["tokens_per_s"]]
+    a.bar(names, values, color=["#bbb", "#2a7", "#888", "#2a7", "#185"])
+    a.set_ylabel("output tokens / s (batch 16 unless noted)")
+    a.tick_params(axis="x", labelsize=7)
+    a.set_title(f"batch 16: {result['speedup_bf16_vs_default']:.2f}x (bf16), "
+                f"{result['speedup_vs_fp32']:.2f}x (fp32) transformers", fontsize=9)
+    decode, decode_bf16 = result["decode_bs64"], result["decode_bs64_bf16"]
+    shares = [decode["mfu"], decode_bf16["mfu"], 1 - decode["forward_share"]]
+    b.bar(["MFU fp32\n(vs fp32 GEMM)", "MFU bf16\n(vs bf16 GEMM)", "fp32 step time\noutside forward"], shares,
+          color=["#27a", "#27a", "#a72"])
     b.axhline(0.30, ls="--", c="#27a", lw=1)
     b.axhline(0.15, ls=":", c="#a72", lw=1)
     b.set_ylim(0, 1)
@@ -194,8 +198,8 @@ def main() -> None:
         build_checkpoint(Path(tmp))
         llm = LLM(tmp, max_num_seqs=64, max_num_batched_tokens=4096, load_progress=False)
         model = llm.engine.model
-        print("fp32 GEMM FLOP/s ...", flush=True)
-        peak = gemm_flops()
+        print("fp32 and bf16 GEMM FLOP/s ...", flush=True)
+        peak, peak_bf16 = gemm_flops(), gemm_flops(dtype=torch.bfloat16)
         print("transformers (default dtype), batch 16 ...", flush=True)
         hf_default = transformers_tokens_per_s(Path(tmp), None, 16, prompt_len, new)
         print("transformers (float32), batch 16 ...", flush=True)
@@ -205,17 +209,26 @@ def main() -> None:
         ours = deepinfer_tokens_per_s(llm, 16, prompt_len, new)
         print("deepinfer, batch 64 decode ...", flush=True)
         decode = decode_profile(llm, 64, prompt_len, steps)
+        del llm
+        print("deepinfer bfloat16, batch 16 and batch 64 decode ...", flush=True)
+        llm_bf16 = LLM(tmp, dtype="bfloat16", max_num_seqs=64, max_num_batched_tokens=4096, load_progress=False)
+        deepinfer_tokens_per_s(llm_bf16, 16, prompt_len, 4)
+        ours_bf16 = deepinfer_tokens_per_s(llm_bf16, 16, prompt_len, new)
+        decode_bf16 = decode_profile(llm_bf16, 64, prompt_len, steps)
     active = active_parameters(model)
     decode["mfu"] = decode["tokens_per_s"] * 2 * active / peak
+    decode_bf16["mfu"] = decode_bf16["tokens_per_s"] * 2 * active / peak_bf16
     result = {
-        "machine": machine_facts(), "gemm_gflops": peak / 1e9,
+        "machine": machine_facts(), "gemm_gflops": peak / 1e9, "gemm_bf16_gflops": peak_bf16 / 1e9,
         "model": {"params_m": sum(p.numel() for p in model.parameters()) / 1e6, "active_m": active / 1e6,
                   "config": BENCH_V4},
         "prompt_len": prompt_len, "new_tokens": new,
-        "deepinfer_dtype": str(llm.engine.dtype),
+        "deepinfer_dtype": "float32 (auto on CPU)",
         "transformers_default_bs16_tok_s": hf_default, "transformers_fp32_bs16_tok_s": hf_fp32,
         "deepinfer_bs16_tok_s": ours, "speedup_vs_default": ours / hf_default, "speedup_vs_fp32": ours / hf_fp32,
         "decode_bs64": decode,
+        "deepinfer_bf16_bs16_tok_s": ours_bf16, "speedup_bf16_vs_default": ours_bf16 / hf_default,
+        "decode_bs64_bf16": decode_bf16,
     }
     (args.out / "offline_throughput.json").write_text(json.dumps(result, indent=2))
     plot(result, args.out / "offline_throughput.png")
