@@ -12,7 +12,6 @@ import argparse
 import contextlib
 import dataclasses
 import json
-import logging
 import sys
 import typing
 from collections.abc import Iterator, Mapping
@@ -22,6 +21,7 @@ import jinja2
 from deepinfer import __version__
 from deepinfer.config import EngineArgs
 from deepinfer.llm import LLM
+from deepinfer.logger import setup_logging
 from deepinfer.outputs import CompletionOutput
 from deepinfer.sampling_params import SamplingParams
 
@@ -289,28 +289,6 @@ def _add_serve_parser(commands) -> None:
                      help="uvicorn's log level (default: %(default)s)")
     add_engine_args(sub)
     sub.set_defaults(handler=run_serve)
-
-
-class _StderrHandler(logging.StreamHandler):
-    """Writes to whatever sys.stderr is at emit time (redirections and test capture swap it)."""
-
-    @property
-    def stream(self):
-        return sys.stderr
-
-    @stream.setter
-    def stream(self, value) -> None:
-        pass
-
-
-def setup_logging(level: int = logging.INFO) -> None:
-    """deepinfer's log records go to stderr; idempotent, so main() may run many times in one process."""
-    logger = logging.getLogger("deepinfer")
-    logger.setLevel(level)
-    if not any(isinstance(h, _StderrHandler) for h in logger.handlers):
-        handler = _StderrHandler()
-        handler.setFormatter(logging.Formatter("%(name)s: %(message)s"))
-        logger.addHandler(handler)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -42,6 +42,7 @@ from deepinfer.engine.messages import (
 )
 from deepinfer.engine.outputs import SchedulerOutput
 from deepinfer.llm import resolve_model
+from deepinfer.logger import setup_logging
 from deepinfer.request import Request, RequestStatus
 from deepinfer.sampling_params import SamplingParams
 
@@ -310,8 +311,4 @@ def _setup_logging(level: int | None) -> None:
     """Mirror the parent's deepinfer log level (a spawned child starts with no logging set up)."""
     if level is None:
         return
-    log = logging.getLogger("deepinfer")
-    log.setLevel(level)
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter("deepinfer[engine]: %(message)s"))
-    log.addHandler(handler)
+    setup_logging(level, "deepinfer[engine]: %(message)s")
