@@ -63,7 +63,7 @@ class LLM:
         params = self._normalise_params(sampling_params, len(items))
         prepared = [self._prepare(i, item) for i, item in enumerate(items)]
         for i, ((_, ids), p) in enumerate(zip(prepared, params)):
-            self.engine._validate(f"prompt {i}", ids, p)
+            self.engine.validate_request(f"prompt {i}", ids, p)
         ids = [self._add(text, toks, p, (priority or [0] * len(items))[i])
                for i, ((text, toks), p) in enumerate(zip(prepared, params))]
         return self._run(ids, use_tqdm)

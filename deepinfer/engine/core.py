@@ -64,7 +64,7 @@ class EngineCore:
         """Validate and queue; returns the n sample requests. Raises ValueError and queues nothing."""
         if not isinstance(params, SamplingParams):
             raise ValueError(f"request {request_id}: sampling params must be SamplingParams, got {type(params)}")
-        max_out = self._validate(request_id, prompt_token_ids, params)
+        max_out = self.validate_request(request_id, prompt_token_ids, params)
         ids = [request_id] if params.n == 1 else [f"{request_id}-{i}" for i in range(params.n)]
         if any(i in self.scheduler.requests for i in ids):
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -77,7 +77,8 @@ class EngineCore:
             self.scheduler.add(req)
         return requests
 
-    def _validate(self, request_id: str, prompt: list[int], params: SamplingParams) -> int:
+    def validate_request(self, request_id: str, prompt: list[int], params: SamplingParams) -> int:
+        """The request's output cap, or ValueError naming what is wrong; touches no state."""
         n = len(prompt)
         if n == 0:
             raise ValueError(f"request {request_id}: the prompt is empty")
