@@ -394,6 +394,7 @@ class EngineArgs:
     max_num_batched_tokens: int = 2048
     max_model_len: int = 0
     enable_chunked_prefill: bool = True
+    enable_prefix_caching: bool = True
     scheduling_policy: str = "fcfs"
     load_progress: bool = True
 

@@ -40,6 +40,11 @@ def resolve_model(model: str | Path | None) -> tuple[Path, bool]:
     return path, True
 
 
+def _salt(prompt: PromptType) -> str | None:
+    """A dict prompt may carry `cache_salt`: prompts with different salts never share cached blocks."""
+    return prompt.get("cache_salt") if isinstance(prompt, dict) else None
+
+
 class LLM:
     def __init__(self, model: str | Path | None = None, tokenizer: str | Path | None = None, **engine_options):
         path, bundled = resolve_model(model)
@@ -54,6 +59,10 @@ class LLM:
     def get_tokenizer(self) -> Tokenizer | None:
         return self.tokenizer
 
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix block (blocks in use keep working)."""
+        self.engine.reset_prefix_cache()
+
     # --- generate ------------------------------------------------------------------------------
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -64,7 +73,7 @@ class LLM:
         prepared = [self._prepare(i, item) for i, item in enumerate(items)]
         for i, ((_, ids), p) in enumerate(zip(prepared, params)):
             self.engine.validate_request(f"prompt {i}", ids, p)
-        ids = [self._add(text, toks, p, (priority or [0] * len(items))[i])
+        ids = [self._add(text, toks, p, (priority or [0] * len(items))[i], _salt(items[i]))
                for i, ((text, toks), p) in enumerate(zip(prepared, params))]
         return self._run(ids, use_tqdm)
 
@@ -133,9 +142,10 @@ class LLM:
             return None, list(item)
         raise ValueError(f"prompt {index}: expected str, token id list or dict, got {type(item).__name__}")
 
-    def _add(self, text: str | None, ids: list[int], params: SamplingParams, priority: int) -> str:
+    def _add(self, text: str | None, ids: list[int], params: SamplingParams, priority: int,
+             cache_salt: str | None = None) -> str:
         rid = str(next(self._ids))
-        requests = self.engine.add_request(rid, ids, params, priority)
+        requests = self.engine.add_request(rid, ids, params, priority, cache_salt=cache_salt)
         self.processor.add(rid, text, ids, requests)
         return rid
 

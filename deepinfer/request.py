@@ -41,6 +41,9 @@ class Request:
     stop_reason: int | str | None = None
     num_preemptions: int = 0
     generator: torch.Generator | None = None
+    cache_salt: str | None = None  # requests with different salts never share cached blocks
+    block_hashes: list[bytes] = field(default_factory=list)  # chained hashes of its full blocks
+    resume_point: int = 0  # a prefix-cache hit's first uncached position; paged state below it is shared
 
     def __post_init__(self):
         if self.params.seed is not None:

@@ -31,10 +31,10 @@ _clock = itertools.count()
 
 
 def make_group(rid: str, prompt_len: int, max_tokens: int, *, n: int = 1, priority: int = 0,
-               rng: random.Random | None = None, **params) -> list[Request]:
+               rng: random.Random | None = None, prefix: list[int] | None = None, **params) -> list[Request]:
     """The n sample requests of one user request, built the way EngineCore.add_request builds them."""
     rng = rng or random.Random(prompt_len)
-    prompt = [rng.randrange(2, VOCAB) for _ in range(prompt_len)]
+    prompt = ((prefix or []) + [rng.randrange(2, VOCAB) for _ in range(prompt_len)])[:prompt_len]
     sp = SamplingParams(n=n, max_tokens=max_tokens, **params)
     arrival = float(next(_clock))
     group: list[Request] = []
@@ -46,11 +46,12 @@ def make_group(rid: str, prompt_len: int, max_tokens: int, *, n: int = 1, priori
 
 
 def make_scheduler(*, num_blocks: int = 64, block_size: int = 16, num_state_slots: int | None = None,
-                   max_model_len: int = 4096, **config) -> Scheduler:
+                   max_model_len: int = 4096, prefix_caching: bool = False, replay_tokens: int = 0,
+                   **config) -> Scheduler:
     cfg = SchedulerConfig(**config)
     slots = cfg.max_num_seqs if num_state_slots is None else num_state_slots
-    kv = KVCacheManager(num_blocks, block_size, slots)
-    return Scheduler(cfg, kv, max_model_len)
+    kv = KVCacheManager(num_blocks, block_size, slots, enable_prefix_caching=prefix_caching)
+    return Scheduler(cfg, kv, max_model_len, replay_tokens=replay_tokens)
 
 
 def add(sched: Scheduler, group: list[Request]) -> list[Request]:
@@ -80,16 +81,20 @@ class FakeRunner:
             start, end = s.start, s.start + s.num_new_tokens
             assert 0 < s.num_new_tokens and end <= req.num_tokens
             tokens = req.prompt_token_ids + req.output_token_ids
-            if start:  # everything computed so far must be in the cache we are handed
+            rebuilding = 0 < req.resume_point and start <= req.resume_point  # prefix hit: bounded state is replayed
+            if start and not rebuilding:  # everything computed so far must be in the cache we are handed
                 assert self.slot_state.get(s.state_slot) == (start, hash(tuple(tokens[:start]))), req
                 for j in range(-(-start // bs)):
                     lo, hi = j * bs, min(j * bs + bs, start)
                     assert self.block_tokens.get(s.block_ids[j], [])[: hi - lo] == tokens[lo:hi], (req, j)
-            for j in range(start // bs, -(-end // bs)):
+            if rebuilding:  # the shared prefix must hold exactly this request's tokens
+                for j in range(req.resume_point // bs):
+                    assert self.block_tokens.get(s.block_ids[j]) == tokens[j * bs:(j + 1) * bs], (req, j)
+            for j in range(s.write_from // bs, -(-end // bs)):
                 block = s.block_ids[j]
                 holders = refs[block] - new_shares[req.request_id, block]
                 assert holders == 1, f"{req.request_id} writes to shared block {block}"
-                lo, hi = max(start, j * bs), min(end, j * bs + bs)
+                lo, hi = max(s.write_from, j * bs), min(end, j * bs + bs)
                 data = self.block_tokens.setdefault(block, [-1] * bs)
                 data[lo - j * bs: hi - j * bs] = tokens[lo:hi]
             self.slot_state[s.state_slot] = (end, hash(tuple(tokens[:end])))
@@ -150,7 +155,8 @@ def assert_holdings(sched: Scheduler) -> None:
     assert sorted(slots + kv._free_slots) == list(range(kv.num_state_slots)), "slot shared or lost"
     held = Counter(b for ids in kv.blocks.values() for b in ids)
     assert kv.pool._refs == [held.get(b, 0) for b in range(kv.pool.num_blocks)]
-    assert sorted(kv.pool._free) == [b for b in range(kv.pool.num_blocks) if not held.get(b)]
+    unheld = sorted(kv.pool._free + list(kv.pool._evictable))  # evictable: cached prefix blocks nobody holds
+    assert unheld == [b for b in range(kv.pool.num_blocks) if not held.get(b)]
     for r in sched.running:
         assert r.status is RUNNING and r.num_computed_tokens <= r.num_tokens
         assert len(kv.blocks[r.request_id]) * kv.block_size >= r.num_computed_tokens
@@ -167,7 +173,9 @@ def assert_step(sched: Scheduler, out: SchedulerOutput) -> None:
         req = s.request
         assert req in sched.running
         assert s.block_ids == kv.blocks[req.request_id]
-        assert len(s.block_ids) == kv.blocks_needed(s.start + s.num_new_tokens)
+        # a prefix hit holds its cached blocks from admission on, also while replaying positions below them
+        hit_blocks = s.request.resume_point // kv.block_size
+        assert len(s.block_ids) == max(kv.blocks_needed(s.start + s.num_new_tokens), hit_blocks)
         assert s.state_slot == kv.slots[req.request_id]
         assert 0 < s.num_new_tokens <= req.num_tokens - s.start
         if not cfg.enable_chunked_prefill:
@@ -185,11 +193,14 @@ def assert_step(sched: Scheduler, out: SchedulerOutput) -> None:
 # --- 1. invariant fuzz ---------------------------------------------------------------------------
 def fuzz(policy: str, *, num_requests: int, chunked: bool = True, budget: int = 64, max_prompt: int = 300,
          num_blocks: int = 48, num_state_slots: int = 16, abort_rate: float = 0.03,
-         arrival_rate: float = 0.15, max_model_len: int = 4096, seed: int = 0) -> Counter:
+         arrival_rate: float = 0.15, max_model_len: int = 4096, seed: int = 0, prefix_caching: bool = False,
+         replay_tokens: int = 0) -> Counter:
     rng = random.Random(seed)
     sched = make_scheduler(num_blocks=num_blocks, block_size=16, num_state_slots=num_state_slots,
-                           max_model_len=max_model_len, max_num_seqs=16,
+                           max_model_len=max_model_len, max_num_seqs=16, prefix_caching=prefix_caching,
+                           replay_tokens=replay_tokens,
                            max_num_batched_tokens=budget, enable_chunked_prefill=chunked, policy=policy)
+    prefixes = [[rng.randrange(2, VOCAB) for _ in range(64)] for _ in range(3)] if prefix_caching else [None]
     runner = FakeRunner(sched.kv, seed)
     everything: list[Request] = []
     aborted: set[str] = set()
@@ -200,7 +211,8 @@ def fuzz(policy: str, *, num_requests: int, chunked: bool = True, budget: int = 
             if stats["added"] < num_requests:
                 n = rng.choice((2, 3)) if rng.random() < 0.15 else 1
                 group = make_group(f"r{stats['added']}", rng.randint(1, max_prompt), rng.randint(1, 40), n=n,
-                                   priority=rng.randint(0, 3) if policy == "priority" else 0, rng=rng)
+                                   priority=rng.randint(0, 3) if policy == "priority" else 0, rng=rng,
+                                   prefix=rng.choice(prefixes))
                 everything += add(sched, group)
                 stats["added"] += 1
         for rid in list(sched.requests):
@@ -248,6 +260,7 @@ def fuzz(policy: str, *, num_requests: int, chunked: bool = True, budget: int = 
             if req.sample_index:
                 stats["forked_children" if req.request_id in forked else "fallback_children"] += 1
     stats["steps"] = step_no
+    stats["prefix_hits"] = kv.prefix_hits
     return stats
 
 
@@ -261,6 +274,14 @@ def test_fuzz_invariants(policy):
     assert stats["abort_waiting"] > 0 and stats["abort_running"] > 0 and stats["abort_pending"] > 0
     assert stats["forked_children"] > 0 and stats["fallback_children"] > 0
     assert stats["completed"] > 200
+
+
+@pytest.mark.parametrize("replay_tokens", [0, 24])
+def test_fuzz_invariants_with_prefix_caching(replay_tokens):
+    """Prompts often share one of three 4-block prefixes; hits must hold exactly the hashed tokens, nobody
+    writes a shared block, and every block is free (cached or not) at the end."""
+    stats = fuzz("fcfs", num_requests=500, seed=5, prefix_caching=True, replay_tokens=replay_tokens, num_blocks=64)
+    assert stats["preemptions"] > 0 and stats["completed"] > 100 and stats["prefix_hits"] > 64 * 100
 
 
 def test_fuzz_invariants_with_fewer_state_slots_than_seqs():

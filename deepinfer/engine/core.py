@@ -42,8 +42,10 @@ class EngineCore:
             logger.warning("the KV cache holds %d tokens, fewer than max_model_len %d: outputs are capped to fit",
                            self.layout.num_tokens, self.max_model_len)
         self.runner = ModelRunner(self.model, self.layout, self.device)
-        self.kv = KVCacheManager(self.layout.num_blocks, self.layout.block_size, self.layout.num_state_slots)
-        self.scheduler = Scheduler(args.scheduler_config(self.max_model_len), self.kv, self.max_model_len)
+        self.kv = KVCacheManager(self.layout.num_blocks, self.layout.block_size, self.layout.num_state_slots,
+                                 args.enable_prefix_caching)
+        self.scheduler = Scheduler(args.scheduler_config(self.max_model_len), self.kv, self.max_model_len,
+                                   replay_tokens=self.model.prefix_replay_tokens())
         self.last_result = RunnerOutput()
         self.last_scheduled = SchedulerOutput()
 
@@ -60,7 +62,7 @@ class EngineCore:
 
     # --- requests ------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    priority: int = 0) -> list[Request]:
+                    priority: int = 0, cache_salt: str | None = None) -> list[Request]:
         """Validate and queue; returns the n sample requests. Raises ValueError and queues nothing."""
         if not isinstance(params, SamplingParams):
             raise ValueError(f"request {request_id}: sampling params must be SamplingParams, got {type(params)}")
@@ -72,7 +74,7 @@ class EngineCore:
         for i, rid in enumerate(ids):
             req = Request(rid, list(prompt_token_ids), params, max_out, priority=priority,
                           eos_token_ids=self.model_config.eos_token_ids, sample_index=i,
-                          fork_of=requests[0] if i else None)
+                          fork_of=requests[0] if i else None, cache_salt=cache_salt)
             requests.append(req)
             self.scheduler.add(req)
         return requests
@@ -95,6 +97,9 @@ class EngineCore:
                              f"({self.layout.num_tokens} tokens) with room for an output token")
         room = capacity - n  # a request alone always fits, so preemption always makes progress
         return room if params.max_tokens is None else min(params.max_tokens, room)
+
+    def reset_prefix_cache(self) -> None:
+        self.kv.reset_prefix_cache()
 
     def abort(self, request_id: str, status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> Request | None:
         return self.scheduler.finish(request_id, status)

@@ -192,7 +192,8 @@ class EngineLoop:
         sched, kv = self.core.scheduler, self.core.kv
         waiting = len(sched.waiting) + sum(len(s) for s in sched.pending_forks.values())
         return EngineStats(len(sched.running), waiting, kv.usage(), kv.num_free_blocks, self.core.layout.num_blocks,
-                           self.prompt_tokens_total, self.generation_tokens_total, sched.num_preemptions, time.time())
+                           self.prompt_tokens_total, self.generation_tokens_total, sched.num_preemptions, time.time(),
+                           kv.prefix_queries, kv.prefix_hits)
 
 
 def ready_message(core: EngineCore) -> EngineReady:

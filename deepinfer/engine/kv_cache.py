@@ -8,39 +8,94 @@ knows which ids are free; the runner only sees the ids it is handed.
 
 from __future__ import annotations
 
+import hashlib
+from collections import OrderedDict
 from dataclasses import dataclass
+
+import numpy as np
 
 
 class BlockPool:
-    """Reference-counted block ids; a block returns to the free list when its count drops to zero."""
+    """Reference-counted block ids. A block whose count drops to zero returns to the free list, unless it
+    holds a cached prefix block: then it stays findable by its hash and is evicted least recently used
+    first, only when a fresh block is needed."""
 
     def __init__(self, num_blocks: int):
         self.num_blocks = num_blocks
         self._free = list(range(num_blocks - 1, -1, -1))
         self._refs = [0] * num_blocks
+        self._hash_of: dict[int, bytes] = {}  # cached block -> its chained hash
+        self._block_of: dict[bytes, int] = {}  # chained hash -> cached block
+        self._evictable: OrderedDict[int, None] = OrderedDict()  # cached, unreferenced; oldest first
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        return len(self._free) + len(self._evictable)
 
     def allocate(self, n: int) -> list[int] | None:
-        if n > len(self._free):
+        if n > self.num_free:
             return None
-        ids = [self._free.pop() for _ in range(n)]
+        ids = [self._take() for _ in range(n)]
         for b in ids:
             self._refs[b] = 1
         return ids
 
+    def _take(self) -> int:
+        if self._free:
+            return self._free.pop()
+        block, _ = self._evictable.popitem(last=False)
+        del self._block_of[self._hash_of.pop(block)]
+        return block
+
     def share(self, ids: list[int]) -> None:
         for b in ids:
             self._refs[b] += 1
+            self._evictable.pop(b, None)
 
     def release(self, ids: list[int]) -> None:
         for b in ids:
             self._refs[b] -= 1
             assert self._refs[b] >= 0, f"block {b} released more often than held"
             if self._refs[b] == 0:
-                self._free.append(b)
+                if b in self._hash_of:
+                    self._evictable[b] = None
+                else:
+                    self._free.append(b)
+
+    # --- prefix cache ------------------------------------------------------------------------
+    def is_evictable(self, block: int) -> bool:
+        return block in self._evictable
+
+    def lookup(self, block_hash: bytes) -> int | None:
+        return self._block_of.get(block_hash)
+
+    def register(self, block: int, block_hash: bytes) -> None:
+        """Make a full, held block findable; a hash already cached elsewhere keeps its first block."""
+        if block_hash not in self._block_of and block not in self._hash_of:
+            self._block_of[block_hash] = block
+            self._hash_of[block] = block_hash
+
+    def reset_cache(self) -> None:
+        """Forget every cached hash; unreferenced cached blocks become plain free blocks."""
+        self._free.extend(self._evictable)
+        self._evictable.clear()
+        self._hash_of.clear()
+        self._block_of.clear()
+
+    @property
+    def num_cached(self) -> int:
+        return len(self._hash_of)
+
+
+def chain_hashes(tokens: list[int], block_size: int, salt: str | None, previous: list[bytes]) -> list[bytes]:
+    """Hashes of every full block of `tokens`; block i's hash covers blocks 0..i and the salt, so a hit
+    is always a whole-block prefix. `previous` (hashes already known) is extended, not recomputed."""
+    hashes = list(previous)
+    seed = hashlib.blake2b((salt or "").encode(), digest_size=16).digest()
+    for i in range(len(hashes), len(tokens) // block_size):
+        chunk = np.asarray(tokens[i * block_size:(i + 1) * block_size], dtype=np.int64).tobytes()
+        hashes.append(hashlib.blake2b((hashes[-1] if hashes else seed) + chunk, digest_size=16).digest())
+    return hashes
 
 
 @dataclass
@@ -56,8 +111,11 @@ class ForkCopy:
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, num_state_slots: int):
+    def __init__(self, num_blocks: int, block_size: int, num_state_slots: int, enable_prefix_caching: bool = False):
         self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.prefix_queries = 0  # prompt tokens looked up in the prefix cache
+        self.prefix_hits = 0  # of those, tokens found cached
         self.pool = BlockPool(num_blocks)
         self._free_slots = list(range(num_state_slots - 1, -1, -1))
         self.num_state_slots = num_state_slots
@@ -71,20 +129,48 @@ class KVCacheManager:
         """Whether a request of this many tokens could ever fit (used to reject up front)."""
         return self.blocks_needed(num_tokens) <= self.pool.num_blocks
 
-    def allocate(self, request_id: str, total_tokens: int) -> bool:
-        """Ensure blocks cover `total_tokens` positions and the request has a state slot."""
-        held = self.blocks.setdefault(request_id, [])
+    def allocate(self, request_id: str, total_tokens: int, prefix: list[int] | None = None) -> bool:
+        """Ensure blocks cover `total_tokens` positions and the request has a state slot. A new request
+        may start from cached `prefix` blocks (shared, not copied). On failure nothing changes."""
+        held = self.blocks.get(request_id) or list(prefix or [])
         extra = self.blocks_needed(total_tokens) - len(held)
         needs_slot = request_id not in self.slots
-        if (needs_slot and not self._free_slots) or extra > self.pool.num_free:
-            if not held:
-                del self.blocks[request_id]
+        # cached prefix blocks that are currently unreferenced count as free until we take them
+        evictable_in_prefix = 0 if request_id in self.blocks else sum(1 for b in held if self.pool.is_evictable(b))
+        if (needs_slot and not self._free_slots) or extra > self.pool.num_free - evictable_in_prefix:
             return False
+        if request_id not in self.blocks:
+            self.pool.share(held)
+            self.blocks[request_id] = held
         if extra > 0:
             held.extend(self.pool.allocate(extra))
         if needs_slot:
             self.slots[request_id] = self._free_slots.pop()
         return True
+
+    # --- prefix cache ------------------------------------------------------------------------
+    def cached_prefix(self, hashes: list[bytes], max_tokens: int) -> list[int]:
+        """Blocks of the longest cached whole-block prefix covering at most `max_tokens` tokens."""
+        blocks = []
+        for h in hashes[: max_tokens // self.block_size]:
+            block = self.pool.lookup(h)
+            if block is None:
+                break
+            blocks.append(block)
+        return blocks
+
+    def record_lookup(self, queried_tokens: int, hit_tokens: int) -> None:
+        self.prefix_queries += queried_tokens
+        self.prefix_hits += hit_tokens
+
+    def cache_full_blocks(self, request_id: str, hashes: list[bytes], num_computed: int) -> None:
+        """Make the request's blocks whose positions are all computed findable by their hashes."""
+        held = self.blocks.get(request_id, [])
+        for i in range(min(num_computed // self.block_size, len(hashes), len(held))):
+            self.pool.register(held[i], hashes[i])
+
+    def reset_prefix_cache(self) -> None:
+        self.pool.reset_cache()
 
     def free(self, request_id: str) -> None:
         self.pool.release(self.blocks.pop(request_id, []))

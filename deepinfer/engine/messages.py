@@ -93,6 +93,8 @@ class EngineStats(_Msg):
     generation_tokens_total: int  # tokens sent, over all samples
     num_preemptions: int
     timestamp: float  # engine time.time() when taken
+    prefix_queries: int = 0  # prompt tokens looked up in the prefix cache
+    prefix_hits: int = 0  # of those, tokens whose paged state was found cached
 
 
 class EngineOutputs(_Msg):

@@ -18,10 +18,12 @@ class ScheduledRequest:
     state_slot: int
     start: int = -1  # tokens already in the cache when scheduled
     samples: bool = False  # this step brings the cache up to all of the request's tokens
+    write_from: int = 0  # paged state of positions below this is a shared prefix: read, never written
 
     def __post_init__(self):
         if self.start < 0:
             self.start = self.request.num_computed_tokens
+        self.write_from = max(self.start, self.request.resume_point)
         self.samples = self.start + self.num_new_tokens == self.request.num_tokens
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections import deque
 
 from deepinfer.config import SchedulerConfig
-from deepinfer.engine.kv_cache import KVCacheManager
+from deepinfer.engine.kv_cache import KVCacheManager, chain_hashes
 from deepinfer.engine.outputs import RunnerOutput, ScheduledRequest, SchedulerOutput
 from deepinfer.request import Request, RequestStatus
 
@@ -25,8 +25,10 @@ def admission_key(request: Request, policy: str) -> tuple:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int):
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int, replay_tokens: int = 0):
         self.config, self.kv, self.max_model_len = config, kv, max_model_len
+        # Tokens recomputed before a prefix-cache hit to rebuild bounded state (V4: layers * (window - 1)).
+        self.replay_tokens = replay_tokens
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -98,6 +100,7 @@ class Scheduler:
         self.running.remove(req)
         out.scheduled = [s for s in out.scheduled if s.request is not req]
         req.num_computed_tokens = 0
+        req.resume_point = 0
         req.num_preemptions += 1
         self.num_preemptions += 1
         if self.config.policy == "priority":
@@ -110,18 +113,38 @@ class Scheduler:
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            prefix, start = self._cached_prefix(req)
+            n = min(req.num_tokens - start, budget)
             # Without chunked prefill a prompt waits for a budget it fits in; one larger than any budget is chunked.
-            fits_some_step = req.num_tokens <= self.config.max_num_batched_tokens
-            if n < req.num_tokens and not self.config.enable_chunked_prefill and fits_some_step:
+            fits_some_step = req.num_tokens - start <= self.config.max_num_batched_tokens
+            if n < req.num_tokens - start and not self.config.enable_chunked_prefill and fits_some_step:
                 return
-            if not self.kv.allocate(req.request_id, n):
+            if not self.kv.allocate(req.request_id, start + n, prefix):
                 return
+            self._resume_from(req, prefix, start)
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             out.scheduled.append(self._scheduled(req, n))
             budget -= n
+
+    def _cached_prefix(self, req: Request) -> tuple[list[int], int]:
+        """(cached blocks, first position to compute) for a request about to be admitted. A hit is a
+        whole-block prefix that leaves at least one token to compute; computing restarts
+        `replay_tokens` before it to rebuild the bounded state the blocks do not hold."""
+        if not self.kv.enable_prefix_caching or req.params.prompt_logprobs is not None:
+            return [], 0
+        req.block_hashes = chain_hashes(req.token_ids(0, req.num_tokens), self.kv.block_size, req.cache_salt,
+                                        req.block_hashes)
+        prefix = self.kv.cached_prefix(req.block_hashes, req.num_tokens - 1)
+        hit = len(prefix) * self.kv.block_size
+        return prefix, max(hit - self.replay_tokens, 0) if hit else 0
+
+    def _resume_from(self, req: Request, prefix: list[int], start: int) -> None:
+        if self.kv.enable_prefix_caching and req.params.prompt_logprobs is None:
+            hit = len(prefix) * self.kv.block_size
+            self.kv.record_lookup(req.num_prompt_tokens, min(hit, req.num_prompt_tokens))
+            req.num_computed_tokens, req.resume_point = start, hit
 
     def _schedule_forks(self, out: SchedulerOutput) -> None:
         """Siblings of a request finishing its prompt this step share its cache instead of prefilling."""
@@ -160,6 +183,9 @@ class Scheduler:
         for s in out.scheduled:
             req = s.request
             req.num_computed_tokens += s.num_new_tokens
+            block = self.kv.block_size
+            if (req.num_computed_tokens - s.num_new_tokens) // block < req.num_computed_tokens // block:
+                self._cache_computed_blocks(req)
             if req.request_id in result.sampled:
                 self._append(req, result.sampled[req.request_id])
             touched.append(req)
@@ -168,6 +194,16 @@ class Scheduler:
             self._append(child, result.sampled[child.request_id])
             touched.append(child)
         return touched
+
+    def _cache_computed_blocks(self, req: Request) -> None:
+        """Blocks whose every position is computed become findable (they include generated tokens)."""
+        full = req.num_computed_tokens // self.kv.block_size
+        if not self.kv.enable_prefix_caching or full <= 0:
+            return
+        if len(req.block_hashes) < full:
+            req.block_hashes = chain_hashes(req.token_ids(0, full * self.kv.block_size), self.kv.block_size,
+                                            req.cache_salt, req.block_hashes)
+        self.kv.cache_full_blocks(req.request_id, req.block_hashes, req.num_computed_tokens)
 
     def _append(self, req: Request, token: int) -> None:
         req.output_token_ids.append(token)

@@ -47,6 +47,9 @@ class ForwardMeta:
     seq_starts: list[int]  # host, R: tokens already in the cache
     seq_lens: list[int]  # host, R: tokens in the cache after this step
     block_size: int
+    # Per request: paged state of positions below this is a shared cached prefix and is not rewritten
+    # (a prefix-cache hit recomputes some earlier tokens only to rebuild bounded state). None: seq_starts.
+    paged_write_from: list[int] | None = None
     # Per-step derived tensors, computed once by the model and shared by its layers.
     scratch: dict = field(default_factory=dict)
 

@@ -385,6 +385,10 @@ class DeepseekV3ForCausalLM(nn.Module):
     def cache_width(self) -> int:
         return self.config.kv_lora_rank + self.config.qk_rope_head_dim
 
+    def prefix_replay_tokens(self) -> int:
+        """MLA keeps no bounded state: a cached prefix is resumed without recomputing anything."""
+        return 0
+
     def kv_cache_spec(self, block_size: int) -> list[CacheTensorSpec]:
         shape = (block_size, self.cache_width)
         return [CacheTensorSpec(f"layers.{i}.mla", "paged", shape, self.dtype)

@@ -361,6 +361,12 @@ class DeepseekV4ForCausalLM(nn.Module):
             specs += layer.attn.cache_spec(f"mtp.{k}", self.config.sliding_window, block_size, self.dtype)
         return specs
 
+    def prefix_replay_tokens(self) -> int:
+        """Tokens to recompute before a cached prefix so every layer's window is exact again: layer l's
+        window depends on (l + 1) * (W - 1) earlier tokens (the compressor state is covered too, since
+        hits are block-aligned and blocks are whole compression windows)."""
+        return self.config.num_layers * (self.config.sliding_window - 1)
+
     def bind_kv_cache(self, tensors: dict[str, torch.Tensor]) -> None:
         named = [(f"layers.{i}.", layer) for i, layer in enumerate(self.layers)]
         for prefix, layer in named + [(f"mtp.{j}.", layer) for j, layer in enumerate(self.mtp)]:

@@ -99,11 +99,12 @@ class CompressPlan:
 
 
 def _completed_windows(meta: ForwardMeta, ratio: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(request row, window index) of every window whose last token is computed this step."""
+    """(request row, window index) of every window whose last token is computed this step, except
+    windows inside a shared cached prefix (their entries are already in the shared blocks)."""
     dev = meta.device
-    start = torch.tensor(meta.seq_starts, dtype=torch.long, device=dev)
+    start = torch.tensor(meta.paged_write_from or meta.seq_starts, dtype=torch.long, device=dev)
     end = torch.tensor(meta.seq_lens, dtype=torch.long, device=dev)
-    first, stop = start // ratio, end // ratio
+    first, stop = start // ratio, torch.maximum(end // ratio, start // ratio)
     counts = stop - first
     req = torch.repeat_interleave(torch.arange(len(counts), device=dev), counts)
     base = torch.cumsum(counts, 0) - counts

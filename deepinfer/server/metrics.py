@@ -41,8 +41,13 @@ class _EngineStatsCollector:
         }
         for name, (doc, value) in gauges.items():
             yield GaugeMetricFamily(PREFIX + name, doc, value=value)
-        yield CounterMetricFamily(PREFIX + "num_preemptions", "requests preempted by the scheduler",
-                                  value=getattr(s, "num_preemptions", 0))
+        counters = {
+            "num_preemptions": ("requests preempted by the scheduler", "num_preemptions"),
+            "prefix_cache_queries": ("prompt tokens looked up in the prefix cache", "prefix_queries"),
+            "prefix_cache_hits": ("prompt tokens found in the prefix cache", "prefix_hits"),
+        }
+        for name, (doc, attr) in counters.items():
+            yield CounterMetricFamily(PREFIX + name, doc, value=getattr(s, attr, 0))
 
 
 class Metrics:
@@ -64,9 +69,6 @@ class Metrics:
         self.generation_tokens = self._counter("generation_tokens", "generated tokens sent to clients")
         self.request_success = self._counter("request_success", "finished choices by finish reason",
                                              ("finished_reason",))
-        # no prefix cache yet: exported as 0 so dashboards can be built now
-        self.prefix_cache_queries = self._counter("prefix_cache_queries", "prompt tokens looked up")
-        self.prefix_cache_hits = self._counter("prefix_cache_hits", "prompt tokens found in the prefix cache")
 
     def _histograms(self) -> None:
         self.ttft = self._histogram("time_to_first_token_seconds", "arrival to first token", _LATENCY_BUCKETS)

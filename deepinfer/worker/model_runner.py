@@ -103,7 +103,8 @@ class ModelRunner:
             block_table=self._block_table(scheduled), state_slots=self._long([s.state_slot for s in scheduled]),
             logits_indices=self._long([row for _, row in sample_rows] + [row for _, _, row in prompt_rows]),
             query_start=qstart, seq_starts=[s.start for s in scheduled],
-            seq_lens=[s.start + s.num_new_tokens for s in scheduled], block_size=self.layout.block_size)
+            seq_lens=[s.start + s.num_new_tokens for s in scheduled], block_size=self.layout.block_size,
+            paged_write_from=[s.write_from for s in scheduled])
         return meta, sample_rows, prompt_rows
 
     @staticmethod
