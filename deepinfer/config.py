@@ -395,6 +395,7 @@ class EngineArgs:
     max_model_len: int = 0
     enable_chunked_prefill: bool = True
     enable_prefix_caching: bool = True
+    kv_cache_dtype: str = "auto"  # paged pools: auto (model dtype) | fp8 | int8 (one float32 scale per entry)
     scheduling_policy: str = "fcfs"
     load_progress: bool = True
 

@@ -35,6 +35,7 @@ class EngineCore:
         self.dtype = resolve_dtype(args.dtype, self.model_config.hf_dtype, self.device.type)
         torch.manual_seed(args.seed)
         self.model = load_model(model, self.model_config, self.dtype, self.device, args.load_progress)
+        self.model.kv_cache_dtype = args.kv_cache_dtype
         self.max_model_len = args.max_model_len or self.model_config.max_position
         self.layout = self._plan_cache()
         logger.info(self.layout.describe())

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from deepinfer.config import ConfigError, ModelConfig
+from deepinfer.layers.kv_quant import PagedPool, is_quantised, storage_dtype
 from deepinfer.layers.metadata import CacheTensorSpec, ForwardMeta
 from deepinfer.layers.moe import routed_experts
 from deepinfer.layers.norm import RMSNorm
@@ -204,21 +205,21 @@ class MLAttention(nn.Module):
         w = self.kv_b_proj.weight.view(self.heads, self.nope + self.v_dim, self.latent)
         return w[:, : self.nope], w[:, self.nope:]
 
-    def _absorbed(self, q_nope, q_pe, cache: torch.Tensor, batch: DecodeBatch) -> torch.Tensor:
+    def _absorbed(self, q_nope, q_pe, cache: PagedPool, batch: DecodeBatch) -> torch.Tensor:
         """[R, H, v] for one query per request: scores q_nope W_UK . c + q_pe . k_pe, output (p c) W_UV^T."""
         w_uk, w_uv = self._w_kv_b()
         q = torch.cat([torch.einsum("rhd,hdc->rhc", q_nope, w_uk), q_pe], dim=-1)
         # padded slots may hold anything (even NaN): zero them so masked probabilities stay exact zeros
-        ctx = cache[batch.slots].masked_fill(~batch.valid[..., None], 0)
+        ctx = cache.read(batch.slots).masked_fill(~batch.valid[..., None], 0)
         scores = torch.matmul(q, ctx.transpose(1, 2)) * self.scale
         scores = scores.masked_fill(~batch.valid[:, None], float("-inf"))
         probs = scores.softmax(dim=-1, dtype=torch.float32).to(ctx.dtype)
         o_c = torch.matmul(probs, ctx[..., : self.latent])
         return torch.einsum("rhc,hvc->rhv", o_c, w_uv)
 
-    def _expanded(self, q_nope, q_pe, cache: torch.Tensor, seq: PrefillSeq) -> torch.Tensor:
+    def _expanded(self, q_nope, q_pe, cache: PagedPool, seq: PrefillSeq) -> torch.Tensor:
         """[n, H, v] for a chunk of queries: context latents expanded to per-head keys and values."""
-        c, k_pe = cache[seq.ctx_slots].split([self.latent, self.rope], dim=-1)
+        c, k_pe = cache.read(seq.ctx_slots).split([self.latent, self.rope], dim=-1)
         kv = self.kv_b_proj(c).view(c.shape[0], self.heads, self.nope + self.v_dim)
         k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
         k = torch.cat([k_nope, k_pe[:, None].expand(-1, self.heads, -1)], dim=-1)
@@ -228,10 +229,10 @@ class MLAttention(nn.Module):
             attn_mask=seq.mask, is_causal=seq.mask is None, scale=self.scale)
         return out.transpose(0, 1)
 
-    def forward(self, x: torch.Tensor, step: MLAStep, cache: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, step: MLAStep, cache: PagedPool) -> torch.Tensor:
         q_nope, q_pe = self._queries(x).split([self.nope, self.rope], dim=-1)
         q_pe = step.rotate(q_pe)
-        cache[step.new_slots] = self._cache_entries(x, step).to(cache.dtype)
+        cache.write(step.new_slots, self._cache_entries(x, step))
         out = x.new_empty(x.shape[0], self.heads, self.v_dim)
         if step.decode is not None:
             rows = step.decode.rows
@@ -256,7 +257,7 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, h: torch.Tensor, step: MLAStep, cache: torch.Tensor) -> torch.Tensor:
+    def forward(self, h: torch.Tensor, step: MLAStep, cache: PagedPool) -> torch.Tensor:
         h = h + self.self_attn(self.input_layernorm(h), step, cache)
         return h + self.mlp(self.post_attention_layernorm(h))
 
@@ -379,7 +380,8 @@ class DeepseekV3ForCausalLM(nn.Module):
         self.requires_grad_(False)
         self.rotary = RotaryTable(config.rope, config.max_position, device)
         self.mtp_weights: dict[str, torch.Tensor] = {}  # model.layers.{num_layers + k}.*, for MTP drafting
-        self._kv: list[torch.Tensor] = []
+        self._kv: list[PagedPool] = []
+        self.kv_cache_dtype = "auto"  # storage of the latent pools: auto (model dtype) | fp8 | int8
 
     @property
     def cache_width(self) -> int:
@@ -390,9 +392,14 @@ class DeepseekV3ForCausalLM(nn.Module):
         return 0
 
     def kv_cache_spec(self, block_size: int) -> list[CacheTensorSpec]:
-        shape = (block_size, self.cache_width)
-        return [CacheTensorSpec(f"layers.{i}.mla", "paged", shape, self.dtype)
-                for i in range(self.config.num_layers)]
+        """One latent + rope-key entry per token per layer; quantised storage adds a float32 scale per token."""
+        dtype = storage_dtype(self.kv_cache_dtype, self.dtype)
+        specs = [CacheTensorSpec(f"layers.{i}.mla", "paged", (block_size, self.cache_width), dtype)
+                 for i in range(self.config.num_layers)]
+        if is_quantised(dtype):
+            specs += [CacheTensorSpec(f"layers.{i}.mla_scale", "paged", (block_size, 1), torch.float32)
+                      for i in range(self.config.num_layers)]
+        return specs
 
     def bind_kv_cache(self, tensors: dict[str, torch.Tensor]) -> None:
         """Paged tensors [num_blocks, block_size, width] viewed flat: slot = block * block_size + offset."""
@@ -400,7 +407,7 @@ class DeepseekV3ForCausalLM(nn.Module):
         missing = [n for n in names if n not in tensors]
         if missing:
             raise ValueError(f"bind_kv_cache: no tensor for {missing[:3]}")
-        self._kv = [tensors[n].view(-1, self.cache_width) for n in names]
+        self._kv = [PagedPool.of(tensors, n, self.cache_width, self.dtype) for n in names]
 
     def forward(self, meta: ForwardMeta) -> torch.Tensor:
         if not self._kv:

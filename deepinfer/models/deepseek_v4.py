@@ -16,6 +16,7 @@ from torch import nn
 
 from deepinfer.config import CSA, SLIDING, ModelConfig
 from deepinfer.layers.attention import sink_attention
+from deepinfer.layers.kv_quant import PagedPool, is_quantised, storage_dtype
 from deepinfer.layers.metadata import CacheTensorSpec, ForwardMeta
 from deepinfer.layers.moe import routed_experts, swiglu
 from deepinfer.layers.norm import RMSNorm, rms_normalize
@@ -57,11 +58,16 @@ class Compressor(nn.Module):
         self.norm = RMSNorm(head_dim, eps)
 
     def cache_spec(self, prefix: str, block_size: int, dtype: torch.dtype) -> list[CacheTensorSpec]:
+        """`dtype` is the entries' storage dtype; a quantised one adds a float32 scale per entry."""
         span, width = self.ratio * (2 if self.overlap else 1), self.wkv.out_features
-        return [CacheTensorSpec(f"{prefix}.ring", "state", (span, 2 * width), torch.float32),
-                CacheTensorSpec(f"{prefix}.entries", "paged", (block_size // self.ratio, self.head_dim), dtype)]
+        per_block = block_size // self.ratio
+        specs = [CacheTensorSpec(f"{prefix}.ring", "state", (span, 2 * width), torch.float32),
+                 CacheTensorSpec(f"{prefix}.entries", "paged", (per_block, self.head_dim), dtype)]
+        if is_quantised(dtype):
+            specs.append(CacheTensorSpec(f"{prefix}.entries_scale", "paged", (per_block, 1), torch.float32))
+        return specs
 
-    def forward(self, x: torch.Tensor, ctx: StepContext, ring: torch.Tensor, pool: torch.Tensor) -> None:
+    def forward(self, x: torch.Tensor, ctx: StepContext, ring: torch.Tensor, pool: PagedPool) -> None:
         """Append the entries of windows completed this step to `pool`, then advance the ring."""
         plan = ctx.compress(self.ratio, self.overlap)
         positions = ctx.meta.positions
@@ -71,7 +77,7 @@ class Compressor(nn.Module):
             slots = plan.source.gather(ring_flat, new, plan.slot_idx)  # [Nw, L, 2 * width]
             entries = self._pool(slots, plan.slot_valid)
             cos, sin = ctx.rope_table["compress"].lookup(plan.entry_pos)
-            pool.view(-1, self.head_dim)[plan.entry_dst] = rotate_tail(entries, cos, sin).to(pool.dtype)
+            pool.write(plan.entry_dst, rotate_tail(entries, cos, sin))
         plan.source.write(ring_flat, new)
 
     def _pool(self, slots: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
@@ -96,12 +102,12 @@ class Indexer(nn.Module):
         self.weights_proj = nn.Linear(cfg.hidden_size, self.n_heads, bias=False)
         self.compressor = Compressor(cfg.hidden_size, self.head_dim, ratio, True, cfg.rms_norm_eps)
 
-    def select(self, x: torch.Tensor, qr: torch.Tensor, ctx: StepContext, pool: torch.Tensor,
+    def select(self, x: torch.Tensor, qr: torch.Tensor, ctx: StepContext, pool: PagedPool,
                plan: CompressPlan) -> tuple[torch.Tensor, torch.Tensor]:
         """Top-k visible entry numbers per query [T, k] and their validity; ties go to the lower index."""
         q = self.wq_b(qr).view(-1, self.n_heads, self.head_dim)
         q = rotate_tail(q, *ctx.rope["compress"])
-        keys = pool.view(-1, self.head_dim)[plan.query_entries]  # [T, E, d]
+        keys = pool.read(plan.query_entries)  # [T, E, d]
         scores = F.relu(torch.einsum("thd,ted->the", q.float(), keys.float())) * self.head_dim**-0.5
         weights = self.weights_proj(x).float() * self.n_heads**-0.5
         scores = (scores * weights[..., None]).sum(dim=1).masked_fill(~plan.query_valid, float("-inf"))
@@ -132,12 +138,14 @@ class Attention(nn.Module):
             self.indexer = Indexer(cfg, self.ratio)
         self.cache: dict[str, torch.Tensor] = {}
 
-    def cache_spec(self, prefix: str, window: int, block_size: int, dtype: torch.dtype) -> list[CacheTensorSpec]:
+    def cache_spec(self, prefix: str, window: int, block_size: int, dtype: torch.dtype,
+                   paged_dtype: torch.dtype) -> list[CacheTensorSpec]:
+        """The window ring is kept in the model dtype; paged pools in `paged_dtype` (maybe quantised)."""
         specs = [CacheTensorSpec(f"{prefix}.window", "state", (window, self.head_dim), dtype)]
         if self.kind != SLIDING:
-            specs += self.compressor.cache_spec(f"{prefix}.compressor", block_size, dtype)
+            specs += self.compressor.cache_spec(f"{prefix}.compressor", block_size, paged_dtype)
         if self.kind == CSA:
-            specs += self.indexer.compressor.cache_spec(f"{prefix}.indexer", block_size, dtype)
+            specs += self.indexer.compressor.cache_spec(f"{prefix}.indexer", block_size, paged_dtype)
         return specs
 
     def forward(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
@@ -161,16 +169,16 @@ class Attention(nn.Module):
         return keys, plan.key_valid
 
     def _compressed_keys(self, x: torch.Tensor, qr: torch.Tensor, ctx: StepContext):
-        pool = self.cache["compressor.entries"]
+        pool = PagedPool.of(self.cache, "compressor.entries", self.head_dim, x.dtype)
         self.compressor(x, ctx, self.cache["compressor.ring"], pool)
         plan = ctx.compress(self.ratio, self.kind == CSA)
         rows, valid = plan.query_entries, plan.query_valid
         if self.kind == CSA:
-            idx_pool = self.cache["indexer.entries"]
+            idx_pool = PagedPool.of(self.cache, "indexer.entries", self.indexer.head_dim, x.dtype)
             self.indexer.compressor(x, ctx, self.cache["indexer.ring"], idx_pool)
             chosen, valid = self.indexer.select(x, qr, ctx, idx_pool, plan)
             rows = rows.gather(1, chosen)
-        return pool.view(-1, self.head_dim)[rows], valid
+        return pool.read(rows), valid
 
     def _grouped_wo_a(self, out: torch.Tensor) -> torch.Tensor:
         t = out.shape[0]
@@ -328,6 +336,7 @@ class DeepseekV4ForCausalLM(nn.Module):
     def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
         super().__init__()
         self.config, self.dtype = config, dtype
+        self.kv_cache_dtype = "auto"  # storage of the paged pools: auto (model dtype) | fp8 | int8
         self.embed = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(Block(config, i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -354,11 +363,12 @@ class DeepseekV4ForCausalLM(nn.Module):
             if block_size % ratio:
                 raise ValueError(f"block_size {block_size} must be a multiple of every compress ratio "
                                  f"{sorted(all_ratios - {0})}")
+        paged = storage_dtype(self.kv_cache_dtype, self.dtype)
         specs = []
         for i, layer in enumerate(self.layers):
-            specs += layer.attn.cache_spec(f"layers.{i}", self.config.sliding_window, block_size, self.dtype)
+            specs += layer.attn.cache_spec(f"layers.{i}", self.config.sliding_window, block_size, self.dtype, paged)
         for k, layer in enumerate(self.mtp if include_mtp else ()):
-            specs += layer.attn.cache_spec(f"mtp.{k}", self.config.sliding_window, block_size, self.dtype)
+            specs += layer.attn.cache_spec(f"mtp.{k}", self.config.sliding_window, block_size, self.dtype, paged)
         return specs
 
     def prefix_replay_tokens(self) -> int:
