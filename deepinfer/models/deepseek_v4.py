@@ -34,13 +34,14 @@ class StepContext:
         self.rope = {"main": model.rope_main.lookup(meta.positions),
                      "compress": model.rope_compress.lookup(meta.positions)}
         self.rope_table = {"main": model.rope_main, "compress": model.rope_compress}
-        self.window: WindowPlan = window_plan(meta, model.config.sliding_window)
+        self.lookahead = model.num_lookahead_tokens
+        self.window: WindowPlan = window_plan(meta, model.config.sliding_window, self.lookahead)
         self._compress: dict[tuple[int, bool], CompressPlan] = {}
 
     def compress(self, ratio: int, overlap: bool) -> CompressPlan:
         key = (ratio, overlap)
         if key not in self._compress:
-            self._compress[key] = compress_plan(self.meta, ratio, overlap)
+            self._compress[key] = compress_plan(self.meta, ratio, overlap, self.lookahead)
         return self._compress[key]
 
 
@@ -57,9 +58,10 @@ class Compressor(nn.Module):
         self.ape = nn.Parameter(torch.zeros(ratio, width, dtype=torch.float32))
         self.norm = RMSNorm(head_dim, eps)
 
-    def cache_spec(self, prefix: str, block_size: int, dtype: torch.dtype) -> list[CacheTensorSpec]:
-        """`dtype` is the entries' storage dtype; a quantised one adds a float32 scale per entry."""
-        span, width = self.ratio * (2 if self.overlap else 1), self.wkv.out_features
+    def cache_spec(self, prefix: str, block_size: int, dtype: torch.dtype, lookahead: int = 0) -> list[CacheTensorSpec]:
+        """`dtype` is the entries' storage dtype; a quantised one adds a float32 scale per entry. The input
+        ring keeps `lookahead` extra positions so rolled-back tokens can be recomputed exactly."""
+        span, width = self.ratio * (2 if self.overlap else 1) + lookahead, self.wkv.out_features
         per_block = block_size // self.ratio
         specs = [CacheTensorSpec(f"{prefix}.ring", "state", (span, 2 * width), torch.float32),
                  CacheTensorSpec(f"{prefix}.entries", "paged", (per_block, self.head_dim), dtype)]
@@ -139,13 +141,13 @@ class Attention(nn.Module):
         self.cache: dict[str, torch.Tensor] = {}
 
     def cache_spec(self, prefix: str, window: int, block_size: int, dtype: torch.dtype,
-                   paged_dtype: torch.dtype) -> list[CacheTensorSpec]:
+                   paged_dtype: torch.dtype, lookahead: int = 0) -> list[CacheTensorSpec]:
         """The window ring is kept in the model dtype; paged pools in `paged_dtype` (maybe quantised)."""
-        specs = [CacheTensorSpec(f"{prefix}.window", "state", (window, self.head_dim), dtype)]
+        specs = [CacheTensorSpec(f"{prefix}.window", "state", (window + lookahead, self.head_dim), dtype)]
         if self.kind != SLIDING:
-            specs += self.compressor.cache_spec(f"{prefix}.compressor", block_size, paged_dtype)
+            specs += self.compressor.cache_spec(f"{prefix}.compressor", block_size, paged_dtype, lookahead)
         if self.kind == CSA:
-            specs += self.indexer.compressor.cache_spec(f"{prefix}.indexer", block_size, paged_dtype)
+            specs += self.indexer.compressor.cache_spec(f"{prefix}.indexer", block_size, paged_dtype, lookahead)
         return specs
 
     def forward(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
@@ -337,6 +339,7 @@ class DeepseekV4ForCausalLM(nn.Module):
         super().__init__()
         self.config, self.dtype = config, dtype
         self.kv_cache_dtype = "auto"  # storage of the paged pools: auto (model dtype) | fp8 | int8
+        self.num_lookahead_tokens = 0  # how many computed tokens may later be rolled back (speculation)
         self.embed = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(Block(config, i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -366,9 +369,11 @@ class DeepseekV4ForCausalLM(nn.Module):
         paged = storage_dtype(self.kv_cache_dtype, self.dtype)
         specs = []
         for i, layer in enumerate(self.layers):
-            specs += layer.attn.cache_spec(f"layers.{i}", self.config.sliding_window, block_size, self.dtype, paged)
+            specs += layer.attn.cache_spec(f"layers.{i}", self.config.sliding_window, block_size, self.dtype, paged,
+                                           self.num_lookahead_tokens)
         for k, layer in enumerate(self.mtp if include_mtp else ()):
-            specs += layer.attn.cache_spec(f"mtp.{k}", self.config.sliding_window, block_size, self.dtype, paged)
+            specs += layer.attn.cache_spec(f"mtp.{k}", self.config.sliding_window, block_size, self.dtype, paged,
+                                           self.num_lookahead_tokens)
         return specs
 
     def prefix_replay_tokens(self) -> int:

@@ -68,9 +68,10 @@ class WindowPlan:
     key_valid: torch.Tensor  # [T, W]
 
 
-def window_plan(meta: ForwardMeta, window: int) -> WindowPlan:
-    """Keys of the query at position t are positions t - W + 1 .. t (those >= 0)."""
-    src = ring_source(meta, window)
+def window_plan(meta: ForwardMeta, window: int, lookahead: int = 0) -> WindowPlan:
+    """Keys of the query at position t are positions t - W + 1 .. t (those >= 0). The ring keeps
+    `lookahead` extra positions so that rolling back that many tokens still finds every key."""
+    src = ring_source(meta, window + lookahead)
     offsets = torch.arange(window, device=meta.device) - (window - 1)
     pos = meta.positions[:, None] + offsets[None, :]
     valid = pos >= 0
@@ -112,9 +113,9 @@ def _completed_windows(meta: ForwardMeta, ratio: int) -> tuple[torch.Tensor, tor
     return req, w
 
 
-def compress_plan(meta: ForwardMeta, ratio: int, overlap: bool) -> CompressPlan:
+def compress_plan(meta: ForwardMeta, ratio: int, overlap: bool, lookahead: int = 0) -> CompressPlan:
     span = 2 * ratio if overlap else ratio
-    src = ring_source(meta, span)
+    src = ring_source(meta, span + lookahead)
     req, w = _completed_windows(meta, ratio)
     pos = (w[:, None] - (1 if overlap else 0)) * ratio + torch.arange(span, device=meta.device)[None, :]
     valid = pos >= 0
