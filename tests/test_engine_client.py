@@ -189,6 +189,23 @@ def test_step_exception_fails_only_the_scheduled_request(llm, monkeypatch):
     assert engine.groups == {} and engine.samples == {} and core.kv.num_free_blocks == core.layout.num_blocks
 
 
+def test_aborting_one_sample_keeps_its_siblings_running(llm):
+    """In-process EngineLoop: an n=2 request whose sample 0 is aborted (its choice hit a stop string)."""
+    core = llm.engine
+    engine = EngineLoop(core)
+    params = params_to_dict(SamplingParams(n=2, temperature=0, max_tokens=12, ignore_eos=True))
+    assert engine.add(AddRequest("pair", _prompt(20, 10), params)) is None
+    outputs = engine.step() + engine.step()
+    engine.abort("pair", sample_index=0)
+    assert "pair-0" not in core.scheduler.requests and "pair-1" in core.scheduler.requests
+    while core.has_unfinished:
+        outputs += engine.step()
+    finished = [o for o in outputs if o.finish_reason is not None]
+    assert [(o.index, o.finish_reason) for o in finished] == [(1, "length")]
+    assert len(_tokens(outputs, 1)) == 12
+    assert engine.groups == {} and core.kv.num_free_blocks == core.layout.num_blocks
+
+
 def test_bad_model_path_fails_start_with_the_engine_reason(tmp_path, loop):
     before = set(multiprocessing.active_children())
     with pytest.raises(RuntimeError, match="does not exist"):

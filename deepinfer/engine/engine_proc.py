@@ -106,12 +106,16 @@ class EngineLoop:
             self.samples[req.request_id] = _Sample(parent_id, req)
         self.prompt_tokens_total += requests[0].num_prompt_tokens
 
-    def abort(self, parent_id: str) -> None:
-        """Abort every sample of a parent; silent (the client already ended its stream)."""
-        group = self.groups.pop(parent_id, None)
-        for sample_id in group.sample_ids if group else []:
-            self.samples.pop(sample_id, None)
-            self.core.abort(sample_id)
+    def abort(self, parent_id: str, sample_index: int | None = None) -> None:
+        """Abort every sample of a parent, or one of them; silent (the client already ended that stream)."""
+        group = self.groups.get(parent_id)
+        if group is None:
+            return
+        chosen = group.sample_ids if sample_index is None else group.sample_ids[sample_index:sample_index + 1]
+        for sample_id in chosen:
+            if sample_id in self.samples:
+                self.core.abort(sample_id)
+                self._forget(sample_id)
 
     # --- stepping --------------------------------------------------------------------------------
     def step(self) -> list[EngineOutput]:
@@ -244,7 +248,7 @@ class _Server:
                 return False
             if isinstance(msg, AbortRequest):
                 for request_id in msg.request_ids:
-                    self.loop.abort(request_id)
+                    self.loop.abort(request_id, msg.sample_index)
             elif (error := self.loop.add(msg)) is not None:
                 self.out.send(encode(error))
         return True

@@ -37,7 +37,8 @@ class AddRequest(_Msg):
 
 
 class AbortRequest(_Msg):
-    request_ids: list[str]  # parent ids; every sample of each is aborted
+    request_ids: list[str]  # parent ids; every sample of each is aborted ...
+    sample_index: int | None = None  # ... or only this sample (a choice that ended on a stop string)
 
 
 class Shutdown(_Msg):

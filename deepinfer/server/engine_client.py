@@ -166,6 +166,14 @@ class AsyncEngineClient:
             self._finish_stream(stream, "abort", None)
         self._post(AbortRequest([request_id]))
 
+    def abort_sample(self, request_id: str, index: int) -> None:
+        """Stop one sample of an n > 1 request (its choice ended on a stop string); the stream goes on
+        with the other samples and ends when they do."""
+        stream = self._streams.get(request_id)
+        if stream is not None:
+            stream.unfinished.discard(index)
+        self._post(AbortRequest([request_id], sample_index=index))
+
     # --- state -----------------------------------------------------------------------------------
     def stats(self) -> EngineStats | None:
         """The latest stats the engine sent (every ~0.25 s while busy, and when it becomes idle)."""

@@ -193,7 +193,7 @@ class Generation:
         self.prompt_logprobs.extend(out.prompt_logprobs or ())
         choice = self.choices[out.index]
         if choice.finished:
-            return None  # a stop string ended it; the engine (aborting per request only) may still send
+            return None  # a stop string ended it; outputs already in flight are dropped
         before = choice.num_tokens
         stop = choice.detok.append(out.new_token_ids)
         kept = choice.num_tokens - before
@@ -201,6 +201,8 @@ class Generation:
         if choice.logprobs is not None:
             choice.logprobs.extend(entries)
         self._finish(choice, stop, out)
+        if stop is not None and out.finish_reason is None and len(self.choices) > 1:
+            self.job.serving.client.abort_sample(self.request_id, out.index)  # the others keep running
         return Update(choice, choice.detok.get_delta(choice.finished), kept, entries, choice.finished)
 
     def _finish(self, choice: Choice, stop: str | None, out) -> None:
