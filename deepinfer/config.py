@@ -396,8 +396,14 @@ class EngineArgs:
     enable_chunked_prefill: bool = True
     enable_prefix_caching: bool = True
     kv_cache_dtype: str = "auto"  # paged pools: auto (model dtype) | fp8 | int8 (one float32 scale per entry)
+    swa_restore: str = "replay"  # how a V4 prefix hit gets its bounded state: replay | snapshot | auto
+    num_prefix_snapshots: int = 0  # state rows kept for snapshots (0: 2 x max_num_seqs when snapshots are on)
     scheduling_policy: str = "fcfs"
     load_progress: bool = True
+
+    def __post_init__(self):
+        if self.swa_restore not in ("replay", "snapshot", "auto"):
+            raise ValueError(f"swa_restore must be replay, snapshot or auto, got {self.swa_restore!r}")
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> EngineArgs:

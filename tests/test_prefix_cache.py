@@ -40,18 +40,22 @@ def _run_capturing_logits(llm: LLM, prompt: list[int]) -> tuple[list[int], torch
     return out, torch.cat([r[-1:] for r in rows if r.shape[0]])
 
 
+@pytest.mark.parametrize("restore", ["replay", "snapshot"])
 @pytest.mark.parametrize("shared", ["block_aligned", "mid_block"])
-def test_hit_is_exact(ckpt, shared):
+def test_hit_is_exact(ckpt, shared, restore):
     kind, path = ckpt
     system = _tokens(120, 1)
     keep = 96 if shared == "block_aligned" else 101
     prompt = system[:keep] + _tokens(9, 2)
-    on, off = _llm(kind, path, True), _llm(kind, path, False)
-    on.generate([system], GREEDY, use_tqdm=False)  # fills the cache
+    on, off = _llm(kind, path, True, swa_restore=restore), _llm(kind, path, False)
+    # Snapshots exist where a step ended: warming up with exactly the 96-token prefix leaves one at the hit.
+    on.generate([system if restore == "replay" else system[:96]], GREEDY, use_tqdm=False)
     hits_before = on.engine.kv.prefix_hits
     tokens_on, logits_on = _run_capturing_logits(on, prompt)
     tokens_off, logits_off = _run_capturing_logits(off, prompt)
     assert on.engine.kv.prefix_hits - hits_before == (keep // BLOCK[kind]) * BLOCK[kind]
+    bounded_state = on.engine.scheduler.replay_tokens > 0
+    assert on.engine.scheduler.num_snapshot_restores == (restore == "snapshot" and bounded_state)
     assert tokens_on == tokens_off
     assert (logits_on - logits_off).abs().max().item() < 1e-5
 

@@ -44,7 +44,7 @@ class EngineCore:
                            self.layout.num_tokens, self.max_model_len)
         self.runner = ModelRunner(self.model, self.layout, self.device)
         self.kv = KVCacheManager(self.layout.num_blocks, self.layout.block_size, self.layout.num_state_slots,
-                                 args.enable_prefix_caching)
+                                 args.enable_prefix_caching, self.layout.num_snapshot_slots)
         self.scheduler = Scheduler(args.scheduler_config(self.max_model_len), self.kv, self.max_model_len,
                                    replay_tokens=self.model.prefix_replay_tokens())
         self.last_result = RunnerOutput()
@@ -59,7 +59,17 @@ class EngineCore:
             fraction = self.args.gpu_memory_utilization if cuda else self.args.cpu_kv_cache_fraction
             budget = int(available_memory_bytes(self.device) * fraction)
         useful = self.args.max_num_seqs * -(-self.max_model_len // block_size)
-        return plan_cache(specs, block_size, self.args.max_num_seqs, budget, useful)
+        return plan_cache(specs, block_size, self.args.max_num_seqs, budget, useful, self._num_snapshots(specs, budget))
+
+    def _num_snapshots(self, specs, budget: int) -> int:
+        """State rows for prefix-hit snapshots: none for replay (or models without bounded state); `auto`
+        keeps them only while they cost at most a tenth of the KV budget."""
+        args = self.args
+        if not args.enable_prefix_caching or args.swa_restore == "replay" or not self.model.prefix_replay_tokens():
+            return 0
+        count = args.num_prefix_snapshots or 2 * args.max_num_seqs
+        per_slot = sum(s.bytes_per_unit for s in specs if s.kind == "state")
+        return count if args.swa_restore == "snapshot" or count * per_slot <= budget // 10 else 0
 
     # --- requests ------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,

@@ -111,8 +111,14 @@ class ForkCopy:
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, num_state_slots: int, enable_prefix_caching: bool = False):
+    def __init__(self, num_blocks: int, block_size: int, num_state_slots: int, enable_prefix_caching: bool = False,
+                 num_snapshot_slots: int = 0):
         self.block_size = block_size
+        # Bounded-state snapshots at block boundaries live in state rows after the running slots, keyed by the
+        # hash of the block that ends at the boundary, least recently used first.
+        self.num_snapshot_slots = num_snapshot_slots
+        self._snapshot_of: OrderedDict[bytes, int] = OrderedDict()
+        self._free_snapshots = list(range(num_state_slots + num_snapshot_slots - 1, num_state_slots - 1, -1))
         self.enable_prefix_caching = enable_prefix_caching
         self.prefix_queries = 0  # prompt tokens looked up in the prefix cache
         self.prefix_hits = 0  # of those, tokens found cached
@@ -171,6 +177,23 @@ class KVCacheManager:
 
     def reset_prefix_cache(self) -> None:
         self.pool.reset_cache()
+        self._free_snapshots.extend(self._snapshot_of.values())
+        self._snapshot_of.clear()
+
+    def snapshot_for(self, block_hash: bytes) -> int | None:
+        """State row holding the bounded state right after the block with this hash, if kept."""
+        row = self._snapshot_of.get(block_hash)
+        if row is not None:
+            self._snapshot_of.move_to_end(block_hash)
+        return row
+
+    def claim_snapshot(self, block_hash: bytes) -> int | None:
+        """A state row to snapshot into for this hash (evicting the least recently used); None if kept already."""
+        if not self.num_snapshot_slots or block_hash in self._snapshot_of:
+            return None
+        row = self._free_snapshots.pop() if self._free_snapshots else self._snapshot_of.popitem(last=False)[1]
+        self._snapshot_of[block_hash] = row
+        return row
 
     def free(self, request_id: str) -> None:
         self.pool.release(self.blocks.pop(request_id, []))

@@ -33,6 +33,8 @@ class SchedulerOutput:
     forks: list[ForkCopy] = field(default_factory=list)
     fork_children: list[Request] = field(default_factory=list)  # parallel to forks
     preempted: list[str] = field(default_factory=list)
+    restores: list[tuple[int, int]] = field(default_factory=list)  # (snapshot row, state slot) before the step
+    snapshots: list[tuple[int, int]] = field(default_factory=list)  # (state slot, snapshot row) after the step
 
     @property
     def num_tokens(self) -> int:

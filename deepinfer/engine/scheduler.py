@@ -29,6 +29,7 @@ class Scheduler:
         self.config, self.kv, self.max_model_len = config, kv, max_model_len
         # Tokens recomputed before a prefix-cache hit to rebuild bounded state (V4: layers * (window - 1)).
         self.replay_tokens = replay_tokens
+        self.num_snapshot_restores = 0
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -67,13 +68,14 @@ class Scheduler:
         if not out.preempted:  # a step that had to preempt has no room to admit anyone
             self._schedule_waiting(out, budget)
         self._schedule_forks(out)
+        self._schedule_snapshots(out)
         return out
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            n = self._align(req.num_computed_tokens, min(req.num_tokens - req.num_computed_tokens, budget))
             if not self._allocate_or_preempt(req, n, out):
                 continue  # req itself was preempted; self.running shrank
             out.scheduled.append(self._scheduled(req, n))
@@ -113,38 +115,72 @@ class Scheduler:
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
-            prefix, start = self._cached_prefix(req)
-            n = min(req.num_tokens - start, budget)
+            prefix, start, restore = self._cached_prefix(req)
+            n = self._align(start, min(req.num_tokens - start, budget))
             # Without chunked prefill a prompt waits for a budget it fits in; one larger than any budget is chunked.
             fits_some_step = req.num_tokens - start <= self.config.max_num_batched_tokens
             if n < req.num_tokens - start and not self.config.enable_chunked_prefill and fits_some_step:
                 return
             if not self.kv.allocate(req.request_id, start + n, prefix):
                 return
-            self._resume_from(req, prefix, start)
+            self._resume_from(req, prefix, start, restore, out)
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             out.scheduled.append(self._scheduled(req, n))
             budget -= n
 
-    def _cached_prefix(self, req: Request) -> tuple[list[int], int]:
-        """(cached blocks, first position to compute) for a request about to be admitted. A hit is a
-        whole-block prefix that leaves at least one token to compute; computing restarts
-        `replay_tokens` before it to rebuild the bounded state the blocks do not hold."""
-        if not self.kv.enable_prefix_caching or req.params.prompt_logprobs is not None:
-            return [], 0
+    def _cached_prefix(self, req: Request) -> tuple[list[int], int, int | None]:
+        """(cached blocks, first position to compute, snapshot row to restore) for a request about to be
+        admitted. A hit is a whole-block prefix that leaves at least one token to compute. The bounded
+        state the blocks do not hold comes from a snapshot taken at the hit boundary if one is kept, or is
+        rebuilt by recomputing `replay_tokens` before it."""
+        if not self._caches(req):
+            return [], 0, None
         req.block_hashes = chain_hashes(req.token_ids(0, req.num_tokens), self.kv.block_size, req.cache_salt,
                                         req.block_hashes)
         prefix = self.kv.cached_prefix(req.block_hashes, req.num_tokens - 1)
         hit = len(prefix) * self.kv.block_size
-        return prefix, max(hit - self.replay_tokens, 0) if hit else 0
+        if not hit:
+            return prefix, 0, None
+        restore = self.kv.snapshot_for(req.block_hashes[len(prefix) - 1]) if self.replay_tokens else None
+        return prefix, hit if restore is not None else max(hit - self.replay_tokens, 0), restore
 
-    def _resume_from(self, req: Request, prefix: list[int], start: int) -> None:
-        if self.kv.enable_prefix_caching and req.params.prompt_logprobs is None:
-            hit = len(prefix) * self.kv.block_size
-            self.kv.record_lookup(req.num_prompt_tokens, min(hit, req.num_prompt_tokens))
-            req.num_computed_tokens, req.resume_point = start, hit
+    def _caches(self, req: Request) -> bool:
+        return self.kv.enable_prefix_caching and req.params.prompt_logprobs is None
+
+    def _resume_from(self, req: Request, prefix: list[int], start: int, restore: int | None,
+                     out: SchedulerOutput) -> None:
+        if not self._caches(req):
+            return
+        hit = len(prefix) * self.kv.block_size
+        self.kv.record_lookup(req.num_prompt_tokens, min(hit, req.num_prompt_tokens))
+        req.num_computed_tokens, req.resume_point = start, hit
+        if restore is not None:
+            out.restores.append((restore, self.kv.slots[req.request_id]))
+            self.num_snapshot_restores += 1
+
+    def _align(self, start: int, n: int) -> int:
+        """With snapshots, a chunk that crosses a block boundary ends at its last one, so the bounded state
+        there can be kept (it is only recoverable at the end of a step)."""
+        if not self.kv.num_snapshot_slots:
+            return n
+        boundary = (start + n) // self.kv.block_size * self.kv.block_size
+        return boundary - start if boundary > start else n
+
+    def _schedule_snapshots(self, out: SchedulerOutput) -> None:
+        """Keep the bounded state of requests whose step ends on a block boundary with exact state."""
+        if not (self.kv.num_snapshot_slots and self.kv.enable_prefix_caching):
+            return
+        bs = self.kv.block_size
+        for s in out.scheduled:
+            end, req = s.start + s.num_new_tokens, s.request
+            if end % bs or end < req.resume_point or not self._caches(req):
+                continue  # not on a boundary, or still replaying (state inexact until the hit point)
+            req.block_hashes = chain_hashes(req.token_ids(0, end), bs, req.cache_salt, req.block_hashes)
+            row = self.kv.claim_snapshot(req.block_hashes[end // bs - 1])
+            if row is not None:
+                out.snapshots.append((s.state_slot, row))
 
     def _schedule_forks(self, out: SchedulerOutput) -> None:
         """Siblings of a request finishing its prompt this step share its cache instead of prefilling."""

@@ -25,20 +25,26 @@ class CacheLayout:
     num_state_slots: int
     bytes_per_block: int
     bytes_per_slot: int
+    num_snapshot_slots: int = 0  # extra state rows for prefix-cache snapshots of bounded state
 
     @property
     def num_tokens(self) -> int:
         return self.num_blocks * self.block_size
 
     @property
+    def state_rows(self) -> int:
+        return self.num_state_slots + self.num_snapshot_slots
+
+    @property
     def bytes_per_token(self) -> float:
         return self.bytes_per_block / self.block_size
 
     def describe(self) -> str:
-        total = self.num_blocks * self.bytes_per_block + self.num_state_slots * self.bytes_per_slot
+        total = self.num_blocks * self.bytes_per_block + self.state_rows * self.bytes_per_slot
         return (f"KV cache: {self.num_blocks} blocks x {self.block_size} tokens = {self.num_tokens} tokens "
                 f"({self.bytes_per_token:.0f} B/token), {self.num_state_slots} state slots "
-                f"({self.bytes_per_slot / 2**20:.2f} MiB each), {total / 2**20:.1f} MiB in all")
+                f"({self.bytes_per_slot / 2**20:.2f} MiB each) + {self.num_snapshot_slots} prefix snapshots, "
+                f"{total / 2**20:.1f} MiB in all")
 
 
 def available_memory_bytes(device: torch.device) -> int:
@@ -48,17 +54,18 @@ def available_memory_bytes(device: torch.device) -> int:
 
 
 def plan_cache(specs: list[CacheTensorSpec], block_size: int, num_slots: int, budget_bytes: int,
-               max_useful_blocks: int) -> CacheLayout:
-    """Reserve state slots first, then as many blocks as the budget allows (capped at what can be used)."""
+               max_useful_blocks: int, num_snapshots: int = 0) -> CacheLayout:
+    """Reserve state slots (and snapshot rows) first, then as many blocks as the budget allows (capped at
+    what can be used)."""
     per_block = sum(s.bytes_per_unit for s in specs if s.kind == "paged")
     per_slot = sum(s.bytes_per_unit for s in specs if s.kind == "state")
-    left = budget_bytes - num_slots * per_slot
+    left = budget_bytes - (num_slots + num_snapshots) * per_slot
     num_blocks = min(left // per_block, max_useful_blocks) if per_block else max_useful_blocks
     if num_blocks < 1:
         need = num_slots * per_slot + per_block
         raise ValueError(f"KV cache budget of {budget_bytes} bytes is too small: {num_slots} state slots "
                          f"and one block need {need} bytes; lower max_num_seqs or raise kv_cache_memory_bytes")
-    return CacheLayout(int(num_blocks), block_size, num_slots, per_block, per_slot)
+    return CacheLayout(int(num_blocks), block_size, num_slots, per_block, per_slot, num_snapshots)
 
 
 class ModelRunner:
@@ -72,15 +79,17 @@ class ModelRunner:
         self.sampler = Sampler()
 
     def _allocate(self, spec: CacheTensorSpec) -> torch.Tensor:
-        rows = self.layout.num_blocks if spec.kind == "paged" else self.layout.num_state_slots
+        rows = self.layout.num_blocks if spec.kind == "paged" else self.layout.state_rows
         return torch.zeros((rows, *spec.shape), dtype=spec.dtype, device=self.device)
 
     # --- one step --------------------------------------------------------------------------------
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
         meta, sample_rows, prompt_rows = self._prepare(out.scheduled)
+        self._copy_state(out.restores)  # a prefix hit's bounded state, before it is read
         hidden = self.model(meta)
         logits = self.model.compute_logits(hidden[meta.logits_indices])
+        self._copy_state(out.snapshots)  # bounded state at a block boundary, after it is written
         self._apply_forks(out.forks)
         result = RunnerOutput()
         self._sample(out, logits, sample_rows, result)
@@ -123,6 +132,12 @@ class ModelRunner:
         width = max((len(s.block_ids) for s in scheduled), default=1)
         rows = [s.block_ids + [0] * (width - len(s.block_ids)) for s in scheduled]
         return self._long(rows)
+
+    def _copy_state(self, copies: list[tuple[int, int]]) -> None:
+        for src, dst in copies:
+            for spec in self.specs:
+                if spec.kind == "state":
+                    self.cache[spec.name][dst] = self.cache[spec.name][src]
 
     def _apply_forks(self, forks: list[ForkCopy]) -> None:
         for fork in forks:
