@@ -2,7 +2,8 @@
 
 For each kv_cache_dtype (fp8, int8) against "auto" (float32 on CPU), in the same run: cache bytes per
 token, greedy agreement over 256 generated tokens for several code prompts (fraction of positions up to
-the first divergence, and overall), and the max logit drift along the unquantised greedy path.
+the first divergence, and overall), and the max absolute drift of the full logit vector along the
+unquantised greedy path (teacher forcing: every position scored once, with prefix caching off).
 Writes benchmarks/results/kv_quant.json.
 
     python benchmarks/kv_quant.py
@@ -25,17 +26,26 @@ NEW = 256
 
 
 def run(kv_dtype: str, prompts: list[list[int]], forced: list[list[int]] | None = None):
-    """Greedy tokens per prompt, and the logits rows along `forced` continuations (teacher forcing)."""
-    llm = LLM(kv_cache_dtype=kv_dtype, load_progress=False, kv_cache_memory_bytes=64 * 2**20)
+    """Greedy tokens per prompt, and the full logits at every position of prompt + `forced` continuation."""
+    llm = LLM(kv_cache_dtype=kv_dtype, load_progress=False, kv_cache_memory_bytes=64 * 2**20,
+              enable_prefix_caching=False)
     greedy = [o.outputs[0].token_ids for o in llm.generate(
         prompts, SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True), use_tqdm=False)]
-    logits = None
-    if forced is not None:
-        params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
-        outs = llm.generate([p + f for p, f in zip(prompts, forced)], params, use_tqdm=False)
-        logits = [torch.tensor([next(iter(e.values())).logprob for e in o.prompt_logprobs[len(p):]])
-                  for o, p in zip(outs, prompts)]
-    return llm.engine.layout.bytes_per_token, greedy, logits
+    if forced is None:
+        return llm.engine.layout.bytes_per_token, greedy, None
+    return llm.engine.layout.bytes_per_token, greedy, [_forced_logits(llm, p + f) for p, f in zip(prompts, forced)]
+
+
+def _forced_logits(llm: LLM, tokens: list[int]) -> torch.Tensor:
+    """One prefill of `tokens` asking for prompt logprobs, so every position's logits are computed."""
+    rows = []
+    compute = llm.engine.model.compute_logits
+    llm.engine.model.compute_logits = lambda h: rows.append(compute(h)) or rows[-1]
+    try:
+        llm.generate([tokens], SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0), use_tqdm=False)
+    finally:
+        llm.engine.model.compute_logits = compute
+    return torch.cat(rows)
 
 
 def agreement(a: list[int], b: list[int]) -> tuple[float, float]:
@@ -55,8 +65,10 @@ def main() -> None:
         _, _, lp = run(kv, prompts, forced=base)
         until, overall = zip(*(agreement(b, g) for b, g in zip(base, greedy)))
         drift = max((x - y).abs().max().item() for x, y in zip(base_lp, lp))
+        scale = max(x.abs().max().item() for x in base_lp)
         result[kv] = {"bytes_per_token": nbytes, "greedy_agreement_until_first_divergence": list(until),
-                      "greedy_agreement_overall": list(overall), "max_logprob_drift_on_reference_path": drift}
+                      "greedy_agreement_overall": list(overall), "max_logit_drift_on_reference_path": drift,
+                      "max_abs_logit_on_reference_path": scale}
         print(kv, json.dumps(result[kv]))
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "kv_quant.json").write_text(json.dumps(result, indent=2))

@@ -162,3 +162,15 @@ def test_hashes_chain_over_blocks_and_salt():
     assert len(a) == 2 and chain_hashes([1, 2, 3, 4], 2, None, a[:1]) == a
     assert chain_hashes([9, 9, 3, 4], 2, None, [])[1] != a[1]  # block 1's hash depends on block 0
     assert chain_hashes([1, 2, 3, 4], 2, "salt", [])[0] != a[0]
+
+
+def test_sharing_a_single_full_block_is_a_hit(ckpt):
+    """No minimum beyond one block: V4's block size is only the least common multiple of its ratios."""
+    kind, path = ckpt
+    llm = _llm(kind, path, True)
+    block = llm.engine.layout.block_size
+    first = _tokens(block + 3, 30)
+    llm.generate([first], GREEDY, use_tqdm=False)
+    before = llm.engine.kv.prefix_hits
+    llm.generate([first[:block] + _tokens(5, 31)], GREEDY, use_tqdm=False)
+    assert llm.engine.kv.prefix_hits - before == block
