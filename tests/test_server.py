@@ -382,6 +382,24 @@ def _sse_events(response: httpx.Response):
             yield line[len("data: "):]
 
 
+def test_prefix_cache_hits_and_reset(server, client):
+    """A repeated long prompt hits the prefix cache (visible in /metrics); after POST /reset_prefix_cache the
+    same prompt finds nothing."""
+    prompt = list(range(3, 3 + 80))  # five full 16-token blocks
+
+    def hits_after_request() -> float:
+        before = metrics(server.url)["deepinfer:prefix_cache_hits_total"]
+        client.completions.create(model=SERVED_NAME, prompt=prompt, max_tokens=1, temperature=0)
+        _wait_for(lambda: metrics(server.url)["deepinfer:prefix_cache_hits_total"] >= before, 2.0)
+        time.sleep(0.5)  # engine stats arrive every 0.25 s
+        return metrics(server.url)["deepinfer:prefix_cache_hits_total"] - before
+
+    hits_after_request()
+    assert hits_after_request() >= 64
+    assert httpx.post(server.url + "/reset_prefix_cache", timeout=10).json() == {"status": "ok"}
+    assert hits_after_request() == 0
+
+
 def test_disconnect_aborts_and_frees_blocks(server, client):
     total = metrics(server.url)["deepinfer:kv_cache_total_blocks"]
     # 1000 tokens take seconds even on a fast machine: the request cannot end by itself in the window below
@@ -500,6 +518,9 @@ def test_api_key_required_on_v1(guarded):
     good = openai.OpenAI(base_url=guarded.url + "/v1", api_key="sesame", max_retries=0)
     assert [m.id for m in good.models.list().data] == ["model"]  # default name: the model directory's
     assert httpx.get(guarded.url + "/health").status_code == 200  # not under /v1
+    _assert_error(httpx.post(guarded.url + "/reset_prefix_cache"), 401)  # an admin action: guarded too
+    auth = {"Authorization": "Bearer sesame"}
+    assert httpx.post(guarded.url + "/reset_prefix_cache", headers=auth).status_code == 200
 
 
 def test_queue_full_answers_429(guarded):

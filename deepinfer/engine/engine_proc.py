@@ -36,6 +36,7 @@ from deepinfer.engine.messages import (
     EngineStats,
     LogprobEntry,
     RequestError,
+    ResetPrefixCache,
     Shutdown,
     decode_input,
     encode,
@@ -246,7 +247,9 @@ class _Server:
             self.dirty = True
             if isinstance(msg, Shutdown):
                 return False
-            if isinstance(msg, AbortRequest):
+            if isinstance(msg, ResetPrefixCache):
+                self.loop.core.reset_prefix_cache()
+            elif isinstance(msg, AbortRequest):
                 for request_id in msg.request_ids:
                     self.loop.abort(request_id, msg.sample_index)
             elif (error := self.loop.add(msg)) is not None:

@@ -41,6 +41,10 @@ class AbortRequest(_Msg):
     sample_index: int | None = None  # ... or only this sample (a choice that ended on a stop string)
 
 
+class ResetPrefixCache(_Msg):
+    """Forget every cached prefix block (applied in order with the other input messages)."""
+
+
 class Shutdown(_Msg):
     pass
 
@@ -103,7 +107,7 @@ class EngineOutputs(_Msg):
     stats: EngineStats | None = None
 
 
-InputMessage = AddRequest | AbortRequest | Shutdown
+InputMessage = AddRequest | AbortRequest | ResetPrefixCache | Shutdown
 OutputMessage = EngineReady | EngineFailure | RequestError | EngineOutputs
 
 _encoder = msgspec.msgpack.Encoder()

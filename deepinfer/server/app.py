@@ -19,6 +19,8 @@ from deepinfer.server.errors import APIError, install_error_handlers
 from deepinfer.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from deepinfer.server.serving import Serving
 
+_GUARDED = ("/v1", "/reset_prefix_cache")  # paths that need the API key when one is set
+
 
 class Gate:
     """Pure ASGI middleware (keeps `receive` intact for disconnect detection): API key on /v1/*,
@@ -39,7 +41,7 @@ class Gate:
 
     def _check_headers(self, scope) -> APIError | None:
         headers = dict(scope.get("headers") or [])
-        if self.api_key and scope["path"].startswith("/v1") and not self._authorized(headers):
+        if self.api_key and scope["path"].startswith(_GUARDED) and not self._authorized(headers):
             return APIError(401, "missing or invalid API key: send `Authorization: Bearer <key>`",
                             headers={"WWW-Authenticate": "Bearer"})
         length = headers.get(b"content-length", b"")
@@ -129,6 +131,14 @@ def _add_service_routes(app: FastAPI, serving: Serving) -> None:
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest) -> dict:
         return serving.detokenize(body)
+
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache() -> dict:
+        """Forget every cached prefix block in the engine (requests in flight keep their blocks)."""
+        if serving.client.dead:
+            return APIError(503, "the engine died").response()
+        serving.client.reset_prefix_cache()
+        return {"status": "ok"}
 
     @app.get("/version")
     async def version() -> dict:

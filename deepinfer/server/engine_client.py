@@ -40,6 +40,7 @@ from deepinfer.engine.messages import (
     EngineReady,
     EngineStats,
     RequestError,
+    ResetPrefixCache,
     Shutdown,
     decode_output,
     encode,
@@ -173,6 +174,9 @@ class AsyncEngineClient:
         if stream is not None:
             stream.unfinished.discard(index)
         self._post(AbortRequest([request_id], sample_index=index))
+
+    def reset_prefix_cache(self) -> None:
+        self._post(ResetPrefixCache())
 
     # --- state -----------------------------------------------------------------------------------
     def stats(self) -> EngineStats | None:
