@@ -300,6 +300,13 @@ def test_fuzz_invariants_with_prefix_snapshots():
     assert stats["snapshot_restores"] > 10 and stats["completed"] > 100
 
 
+def test_fuzz_invariants_with_prefix_snapshots_without_chunked_prefill():
+    stats = fuzz("fcfs", num_requests=300, chunked=False, budget=128, max_prompt=80, num_blocks=24,
+                 num_state_slots=24, max_model_len=128, seed=7, prefix_caching=True, replay_tokens=24,
+                 num_snapshots=8)
+    assert stats["completed"] > 50 and stats["prefix_hits"] > 0
+
+
 def test_fuzz_invariants_with_fewer_state_slots_than_seqs():
     stats = fuzz("priority", num_requests=300, num_state_slots=5, num_blocks=64, seed=4)
     assert stats["preemptions"] > 0 and stats["completed"] > 50

@@ -163,8 +163,8 @@ class Scheduler:
     def _align(self, start: int, n: int) -> int:
         """With snapshots, a chunk that crosses a block boundary ends at its last one, so the bounded state
         there can be kept (it is only recoverable at the end of a step)."""
-        if not self.kv.num_snapshot_slots:
-            return n
+        if not self.kv.num_snapshot_slots or not self.config.enable_chunked_prefill:
+            return n  # without chunked prefill a prompt is computed whole: snapshots come from decode steps
         boundary = (start + n) // self.kv.block_size * self.kv.block_size
         return boundary - start if boundary > start else n
 
