@@ -232,6 +232,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_generate_parser(commands)
     _add_chat_parser(commands)
     _add_serve_parser(commands)
+    _add_bench_parser(commands)
     return parser
 
 
@@ -289,6 +290,23 @@ def _add_serve_parser(commands) -> None:
                      help="uvicorn's log level (default: %(default)s)")
     add_engine_args(sub)
     sub.set_defaults(handler=run_serve)
+
+
+# --- bench -------------------------------------------------------------------------------------
+def run_bench_serve(args: argparse.Namespace) -> int:
+    from deepinfer.bench.serve import main_serve  # httpx, tqdm and matplotlib load only for `bench`
+
+    return main_serve(args)
+
+
+def _add_bench_parser(commands) -> None:
+    from deepinfer.bench.serve import add_serve_args
+
+    bench = commands.add_parser("bench", help="benchmarks (see `deepinfer bench serve --help`)")
+    sub_commands = bench.add_subparsers(dest="bench_command", required=True, metavar="BENCH")
+    sub = sub_commands.add_parser("serve", help="load-test a running OpenAI-compatible server")
+    add_serve_args(sub)
+    sub.set_defaults(handler=run_bench_serve)
 
 
 def main(argv: list[str] | None = None) -> int:
