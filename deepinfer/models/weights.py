@@ -70,7 +70,7 @@ def _copy_all(model: nn.Module, params: dict, weights: Iterable[tuple[str, torch
 
 
 def _check_complete(model: nn.Module, params: dict, filled: dict[str, int]) -> None:
-    missing = [n for n in params if n not in filled and not n.startswith("rope_")]
+    missing = [n for n in params if n not in filled]
     partial = [n for n, p in params.items() if n.endswith((".w13", ".w2")) and n in filled
                and filled[n] < p.shape[0] * (2 if n.endswith(".w13") else 1)]
     if missing or partial:

@@ -140,13 +140,12 @@ class ModelRunner:
                     self.cache[spec.name][dst] = self.cache[spec.name][src]
 
     def _apply_forks(self, forks: list[ForkCopy]) -> None:
-        for fork in forks:
+        """A forked child gets a copy of its parent's state slot and of the partial last block."""
+        self._copy_state([(fork.src_slot, fork.dst_slot) for fork in forks])
+        for fork in (f for f in forks if f.src_block is not None):
             for spec in self.specs:
-                t = self.cache[spec.name]
-                if spec.kind == "state":
-                    t[fork.dst_slot] = t[fork.src_slot]
-                elif fork.src_block is not None:
-                    t[fork.dst_block] = t[fork.src_block]
+                if spec.kind == "paged":
+                    self.cache[spec.name][fork.dst_block] = self.cache[spec.name][fork.src_block]
 
     # --- sampling --------------------------------------------------------------------------------
     def _sample(self, out: SchedulerOutput, logits: torch.Tensor, sample_rows: list, result: RunnerOutput):
