@@ -379,6 +379,51 @@ class SchedulerConfig:
             raise ValueError(f"scheduling policy must be fcfs or priority, got {self.policy!r}")
 
 
+SPECULATIVE_METHODS = ("mtp", "ngram")
+VERIFY_POLICIES = ("fixed", "adaptive")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding: `method` proposes up to `num_speculative_tokens` draft tokens per request and
+    step; the target verifies them losslessly. `verify_policy` fixed verifies every draft; adaptive picks
+    each request's verify length from predicted acceptance and the measured step-time profile."""
+
+    method: str
+    num_speculative_tokens: int = 3
+    verify_policy: str = "fixed"
+    prompt_lookup_max: int = 4  # ngram: longest suffix n-gram searched for in the history
+    prompt_lookup_min: int = 1  # ngram: shortest
+
+    def __post_init__(self):
+        if self.method not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative method must be one of {SPECULATIVE_METHODS}, got {self.method!r}")
+        if not 1 <= self.num_speculative_tokens <= 16:
+            raise ValueError(f"num_speculative_tokens must be in [1, 16], got {self.num_speculative_tokens}")
+        if self.verify_policy not in VERIFY_POLICIES:
+            raise ValueError(f"verify_policy must be one of {VERIFY_POLICIES}, got {self.verify_policy!r}")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ValueError("need 1 <= prompt_lookup_min <= prompt_lookup_max")
+
+    @classmethod
+    def parse(cls, value: SpeculativeConfig | dict | str | None) -> SpeculativeConfig | None:
+        """From a SpeculativeConfig, a dict, or JSON text (the server's --speculative-config); None stays None."""
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"speculative_config is not valid JSON: {e}") from None
+        if not isinstance(value, dict):
+            raise ValueError(f"speculative_config must be a dict or JSON object, got {type(value).__name__}")
+        unknown = sorted(set(value) - set(cls.__dataclass_fields__))
+        if unknown or "method" not in value:
+            raise ValueError(f"speculative_config needs 'method' and accepts only {sorted(cls.__dataclass_fields__)}"
+                             f"; got unknown {unknown}" if unknown else "speculative_config needs a 'method'")
+        return cls(**value)
+
+
 @dataclass(frozen=True)
 class EngineArgs:
     """Every engine option of the offline API and the server; unknown names are rejected."""
@@ -400,8 +445,11 @@ class EngineArgs:
     num_prefix_snapshots: int = 0  # state rows kept for snapshots (0: 2 x max_num_seqs when snapshots are on)
     scheduling_policy: str = "fcfs"
     load_progress: bool = True
+    # {"method": "mtp" | "ngram", "num_speculative_tokens": k, ...} as a dict or JSON text; None: off
+    speculative_config: str | dict | None = None
 
     def __post_init__(self):
+        SpeculativeConfig.parse(self.speculative_config)  # validate early
         if self.swa_restore not in ("replay", "snapshot", "auto"):
             raise ValueError(f"swa_restore must be replay, snapshot or auto, got {self.swa_restore!r}")
 
@@ -412,6 +460,10 @@ class EngineArgs:
         if unknown:
             raise ValueError(f"unknown engine option(s) {unknown}; valid options: {sorted(known)}")
         return cls(**kwargs)
+
+    @property
+    def speculative(self) -> SpeculativeConfig | None:
+        return SpeculativeConfig.parse(self.speculative_config)
 
     def scheduler_config(self, max_model_len: int) -> SchedulerConfig:
         return SchedulerConfig(max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,

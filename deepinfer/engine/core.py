@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from pathlib import Path
 
 import torch
@@ -15,6 +16,7 @@ from deepinfer.models.loader import iter_checkpoint
 from deepinfer.models.registry import default_block_size, model_class
 from deepinfer.request import Request, RequestStatus
 from deepinfer.sampling_params import SamplingParams
+from deepinfer.spec import build_proposer
 from deepinfer.worker.model_runner import ModelRunner, available_memory_bytes, plan_cache
 
 logger = logging.getLogger("deepinfer")
@@ -36,23 +38,41 @@ class EngineCore:
         torch.manual_seed(args.seed)
         self.model = load_model(model, self.model_config, self.dtype, self.device, args.load_progress)
         self.model.kv_cache_dtype = args.kv_cache_dtype
+        self.speculative = args.speculative
+        if self.speculative is not None:  # rings keep room to roll back every draft of a step
+            self.model.num_lookahead_tokens = self.speculative.num_speculative_tokens
+        self.proposer = build_proposer(self.speculative, self.model)
         self.max_model_len = args.max_model_len or self.model_config.max_position
         self.layout = self._plan_cache()
         logger.info(self.layout.describe())
         if self.layout.num_tokens < self.max_model_len:
             logger.warning("the KV cache holds %d tokens, fewer than max_model_len %d: outputs are capped to fit",
                            self.layout.num_tokens, self.max_model_len)
-        self.runner = ModelRunner(self.model, self.layout, self.device)
+        self.runner = ModelRunner(self.model, self.layout, self.device, self.proposer,
+                                  self._cache_specs(self.layout.block_size))
         self.kv = KVCacheManager(self.layout.num_blocks, self.layout.block_size, self.layout.num_state_slots,
                                  args.enable_prefix_caching, self.layout.num_snapshot_slots)
         self.scheduler = Scheduler(args.scheduler_config(self.max_model_len), self.kv, self.max_model_len,
-                                   replay_tokens=self.model.prefix_replay_tokens())
+                                   replay_tokens=self._replay_tokens(), speculative=self.speculative)
         self.last_result = RunnerOutput()
         self.last_scheduled = SchedulerOutput()
 
+    def _cache_specs(self, block_size: int):
+        """The model's cache tensors, and a draft MTP layer's own when it drafts."""
+        if self.speculative is not None and self.speculative.method == "mtp":
+            return self.model.kv_cache_spec(block_size, include_mtp=True)
+        return self.model.kv_cache_spec(block_size)
+
+    def _replay_tokens(self) -> int:
+        """A drafting MTP layer sits on top of the stack: one more window to rebuild at a prefix hit."""
+        replay = self.model.prefix_replay_tokens()
+        if replay and self.speculative is not None and self.speculative.method == "mtp":
+            replay += self.model_config.sliding_window - 1
+        return replay
+
     def _plan_cache(self):
         block_size = self.args.block_size or default_block_size(self.model_config)
-        specs = self.model.kv_cache_spec(block_size)
+        specs = self._cache_specs(block_size)
         budget = self.args.kv_cache_memory_bytes
         if budget is None:
             cuda = self.device.type == "cuda"
@@ -126,5 +146,7 @@ class EngineCore:
         if out.is_empty:
             self.last_result = RunnerOutput()
             return []
+        started = time.perf_counter()
         self.last_result = self.runner.execute(out)
+        self.scheduler.step_profile.record(out.num_tokens, time.perf_counter() - started)
         return self.scheduler.update(out, self.last_result)

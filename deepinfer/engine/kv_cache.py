@@ -195,6 +195,14 @@ class KVCacheManager:
         self._snapshot_of[block_hash] = row
         return row
 
+    def trim(self, request_id: str, num_tokens: int) -> None:
+        """Release the request's blocks past the first `num_tokens` positions (never cached: not computed)."""
+        held = self.blocks.get(request_id)
+        keep = self.blocks_needed(num_tokens)
+        if held is not None and len(held) > keep:
+            self.pool.release(held[keep:])
+            del held[keep:]
+
     def free(self, request_id: str) -> None:
         self.pool.release(self.blocks.pop(request_id, []))
         slot = self.slots.pop(request_id, None)

@@ -19,12 +19,18 @@ class ScheduledRequest:
     start: int = -1  # tokens already in the cache when scheduled
     samples: bool = False  # this step brings the cache up to all of the request's tokens
     write_from: int = 0  # paged state of positions below this is a shared prefix: read, never written
+    # Draft tokens verified this step: the last len(draft_token_ids) of the num_new_tokens positions.
+    draft_token_ids: list[int] = field(default_factory=list)
 
     def __post_init__(self):
         if self.start < 0:
             self.start = self.request.num_computed_tokens
         self.write_from = max(self.start, self.request.resume_point)
-        self.samples = self.start + self.num_new_tokens == self.request.num_tokens
+        self.samples = self.start + self.num_new_tokens - len(self.draft_token_ids) == self.request.num_tokens
+
+    @property
+    def num_drafts(self) -> int:
+        return len(self.draft_token_ids)
 
 
 @dataclass
@@ -47,8 +53,13 @@ class SchedulerOutput:
 
 @dataclass
 class RunnerOutput:
-    """Per request id: the sampled token, its logprob info, and prompt logprobs computed this step."""
+    """Per request id: the sampled token, its logprob info, and prompt logprobs computed this step. With
+    speculation, `accepted_drafts` are the verified drafts that precede `sampled` (the correction or bonus
+    token), and `drafts` the proposals for the next step."""
 
     sampled: dict[str, int] = field(default_factory=dict)
+    accepted_drafts: dict[str, list[int]] = field(default_factory=dict)
+    drafts: dict[str, list[int]] = field(default_factory=dict)
+    draft_confidence: dict[str, list[float]] = field(default_factory=dict)
     logprobs: dict[str, tuple[list[int], list[float], int]] = field(default_factory=dict)  # ids, lps, rank
     prompt_logprobs: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = field(default_factory=dict)

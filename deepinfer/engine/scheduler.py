@@ -1,7 +1,9 @@
 """Token-budget scheduler. There are no prefill or decode phases: every running request has
 `num_computed_tokens` catching up to `num_tokens`, and each step hands out at most
 `max_num_batched_tokens` new tokens over at most `max_num_seqs` requests. Chunked prefill,
-decode, recompute after preemption and forked samples are all that one rule.
+decode, recompute after preemption and forked samples are all that one rule. Speculative drafts are
+extra tokens of a decoding request in the same budget; rejected ones are rolled back by lowering
+`num_computed_tokens` (every cache kind is position-indexed, so recomputing overwrites them).
 
 Invariants: a running request holds blocks for every position it computes this step and a state
 slot; a waiting request holds nothing; a finished request holds nothing.
@@ -10,11 +12,14 @@ slot; a waiting request holds nothing; a finished request holds nothing.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 
-from deepinfer.config import SchedulerConfig
+from deepinfer.config import SchedulerConfig, SpeculativeConfig
 from deepinfer.engine.kv_cache import KVCacheManager, chain_hashes
 from deepinfer.engine.outputs import RunnerOutput, ScheduledRequest, SchedulerOutput
 from deepinfer.request import Request, RequestStatus
+from deepinfer.spec.policy import StepTimeProfile, choose_verify_lengths
+from deepinfer.spec.stats import SpecDecodeStats
 
 
 def admission_key(request: Request, policy: str) -> tuple:
@@ -25,8 +30,17 @@ def admission_key(request: Request, policy: str) -> tuple:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int, replay_tokens: int = 0):
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int, replay_tokens: int = 0,
+                 speculative: SpeculativeConfig | None = None):
         self.config, self.kv, self.max_model_len = config, kv, max_model_len
+        self.speculative = speculative
+        # Positions past a step's tokens that hold blocks: a draft model writes its chained drafts there.
+        self.lookahead = speculative.num_speculative_tokens if speculative else 0
+        self.spec_stats = SpecDecodeStats()
+        self.step_profile = StepTimeProfile()  # EngineCore records (batched tokens, seconds) of every step
+        # Called as f(request, rejected draft tokens) when verification rejects drafts (e.g. grammar rollback).
+        self.rejection_listeners: list[Callable[[Request, list[int]], None]] = []
+        self._verify_lens: dict[str, int] = {}
         # Tokens recomputed before a prefix-cache hit to rebuild bounded state (V4: layers * (window - 1)).
         self.replay_tokens = replay_tokens
         self.num_snapshot_restores = 0
@@ -64,6 +78,7 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         if self.config.policy == "priority":
             self.running.sort(key=lambda r: admission_key(r, "priority"))
+        self._verify_lens = self._plan_verify()
         budget = self._schedule_running(out, budget)
         if not out.preempted:  # a step that had to preempt has no room to admit anyone
             self._schedule_waiting(out, budget)
@@ -76,16 +91,46 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             n = self._align(req.num_computed_tokens, min(req.num_tokens - req.num_computed_tokens, budget))
-            if not self._allocate_or_preempt(req, n, out):
+            drafts = self._drafts(req, n, budget)
+            if not self._allocate_or_preempt(req, n + len(drafts), out):
                 continue  # req itself was preempted; self.running shrank
-            out.scheduled.append(self._scheduled(req, n))
-            budget -= n
+            out.scheduled.append(self._scheduled(req, n + len(drafts), drafts))
+            budget -= n + len(drafts)
             i += 1
         return budget
 
+    # --- speculation -------------------------------------------------------------------------
+    def _plan_verify(self) -> dict[str, int]:
+        """How many drafts each decoding request verifies this step (fixed: all of them)."""
+        reqs = [r for r in self.running if r.spec_token_ids]
+        if not reqs or self.speculative is None or self.speculative.verify_policy == "fixed":
+            return {r.request_id: len(r.spec_token_ids) for r in reqs}
+        empirical = self.spec_stats.acceptance_by_position()
+        conf = [_confidence(r, empirical) for r in reqs]
+        base = sum(r.num_tokens - r.num_computed_tokens for r in self.running)
+        lengths = choose_verify_lengths(conf, self.step_profile, base)
+        return {r.request_id: d for r, d in zip(reqs, lengths)}
+
+    def _drafts(self, req: Request, n: int, budget: int) -> list[int]:
+        """The drafts req verifies this step: only when decoding (one token behind), within the budget, the
+        output cap and the model length; never for requests that return logprobs (one entry per step)."""
+        if not req.spec_token_ids or n != 1 or req.num_tokens - req.num_computed_tokens != 1:
+            return []
+        if req.params.logprobs is not None:
+            return []
+        room = min(budget - 1, req.max_output_tokens - len(req.output_token_ids) - 1,
+                   self.max_model_len - req.num_tokens - 1, self._verify_lens.get(req.request_id, 0))
+        return req.spec_token_ids[:max(room, 0)]
+
+    def _allocate(self, req: Request, total: int, prefix: list[int] | None = None) -> bool:
+        """Blocks for `total` positions plus the lookahead, never past what the request can ever hold
+        (so a request alone always fits)."""
+        cap = max(req.num_prompt_tokens + req.max_output_tokens, total)
+        return self.kv.allocate(req.request_id, min(total + self.lookahead, cap), prefix)
+
     def _allocate_or_preempt(self, req: Request, n: int, out: SchedulerOutput) -> bool:
         """Allocate for req, preempting the lowest-priority running requests (last first) as needed."""
-        while not self.kv.allocate(req.request_id, req.num_computed_tokens + n):
+        while not self._allocate(req, req.num_computed_tokens + n):
             victim = self._pick_victim()
             self._preempt(victim, out)
             if victim is req:
@@ -103,6 +148,7 @@ class Scheduler:
         out.scheduled = [s for s in out.scheduled if s.request is not req]
         req.num_computed_tokens = 0
         req.resume_point = 0
+        req.spec_token_ids, req.spec_confidence = [], None
         req.num_preemptions += 1
         self.num_preemptions += 1
         if self.config.policy == "priority":
@@ -121,7 +167,7 @@ class Scheduler:
             fits_some_step = req.num_tokens - start <= self.config.max_num_batched_tokens
             if n < req.num_tokens - start and not self.config.enable_chunked_prefill and fits_some_step:
                 return
-            if not self.kv.allocate(req.request_id, start + n, prefix):
+            if not self._allocate(req, start + n, prefix):
                 return
             self._resume_from(req, prefix, start, restore, out)
             self.waiting.popleft()
@@ -175,7 +221,7 @@ class Scheduler:
         bs = self.kv.block_size
         for s in out.scheduled:
             end, req = s.start + s.num_new_tokens, s.request
-            if end % bs or end < req.resume_point or not self._caches(req):
+            if s.num_drafts or end % bs or end < req.resume_point or not self._caches(req):
                 continue  # not on a boundary, or still replaying (state inexact until the hit point)
             req.block_hashes = chain_hashes(req.token_ids(0, end), bs, req.cache_salt, req.block_hashes)
             row = self.kv.claim_snapshot(req.block_hashes[end // bs - 1])
@@ -209,8 +255,9 @@ class Scheduler:
             child.fork_of = None
             self._enqueue(child)
 
-    def _scheduled(self, req: Request, n: int) -> ScheduledRequest:
-        return ScheduledRequest(req, n, self.kv.blocks[req.request_id], self.kv.slots[req.request_id])
+    def _scheduled(self, req: Request, n: int, drafts: list[int] | None = None) -> ScheduledRequest:
+        return ScheduledRequest(req, n, self.kv.blocks[req.request_id], self.kv.slots[req.request_id],
+                                draft_token_ids=list(drafts or []))
 
     # --- results -----------------------------------------------------------------------------
     def update(self, out: SchedulerOutput, result: RunnerOutput) -> list[Request]:
@@ -218,18 +265,49 @@ class Scheduler:
         touched = []
         for s in out.scheduled:
             req = s.request
-            req.num_computed_tokens += s.num_new_tokens
-            block = self.kv.block_size
-            if (req.num_computed_tokens - s.num_new_tokens) // block < req.num_computed_tokens // block:
-                self._cache_computed_blocks(req)
+            accepted = result.accepted_drafts.get(req.request_id, [])
+            rejected = s.draft_token_ids[len(accepted):]
+            self.spec_stats.observe(s.num_drafts, len(accepted))
+            req.num_computed_tokens += s.num_new_tokens - len(rejected)
+            if rejected:
+                self._rolled_back(req, rejected)
             if req.request_id in result.sampled:
-                self._append(req, result.sampled[req.request_id])
+                self._append_all(req, accepted + [result.sampled[req.request_id]], s.start)
+            elif self._crossed_block(s.start, req.num_computed_tokens):
+                self._cache_computed_blocks(req)
+            req.spec_token_ids = result.drafts.get(req.request_id, [])
+            req.spec_confidence = result.draft_confidence.get(req.request_id)
             touched.append(req)
         for fork in out.forks:
             child = self.requests[fork.child_id]
             self._append(child, result.sampled[child.request_id])
             touched.append(child)
         return touched
+
+    def _crossed_block(self, start: int, computed: int) -> bool:
+        return start // self.kv.block_size < computed // self.kv.block_size
+
+    def _rolled_back(self, req: Request, rejected: list[int]) -> None:
+        """Rejected drafts: their positions are no longer computed; blocks past what the request can use
+        next step go back to the pool. Listeners (grammar matchers) see the rejected tokens here."""
+        self.kv.trim(req.request_id, req.num_computed_tokens + 1 + self.lookahead)
+        for listener in self.rejection_listeners:
+            listener(req, rejected)
+
+    def _append_all(self, req: Request, tokens: list[int], start: int) -> None:
+        """Append tokens up to the first that stops the request; blocks completed by the tokens that stay
+        become findable before a finish frees them."""
+        status = None
+        for token in tokens:
+            req.output_token_ids.append(token)
+            status = stop_status(req, token, self.max_model_len)
+            if status is not None:
+                break
+        req.num_computed_tokens = min(req.num_computed_tokens, req.num_tokens - 1)
+        if self._crossed_block(start, req.num_computed_tokens):
+            self._cache_computed_blocks(req)
+        if status is not None:
+            self.finish(req.request_id, status)
 
     def _cache_computed_blocks(self, req: Request) -> None:
         """Blocks whose every position is computed become findable (they include generated tokens)."""
@@ -264,6 +342,13 @@ class Scheduler:
         self.kv.free(req.request_id)
         req.status = status
         return req
+
+
+def _confidence(req: Request, empirical: list[float]) -> list[float]:
+    """Predicted acceptance of each of req's drafts: the proposer's, else the measured rate by position."""
+    if req.spec_confidence:
+        return req.spec_confidence[:len(req.spec_token_ids)]
+    return [empirical[i] if i < len(empirical) else 0.5 for i in range(len(req.spec_token_ids))]
 
 
 def stop_status(req: Request, token: int, max_model_len: int) -> RequestStatus | None:

@@ -11,6 +11,8 @@ import torch
 from deepinfer.engine.kv_cache import ForkCopy
 from deepinfer.engine.outputs import RunnerOutput, ScheduledRequest, SchedulerOutput
 from deepinfer.layers.metadata import CacheTensorSpec, ForwardMeta
+from deepinfer.spec.base import ProposeBatch, ProposeItem, Proposer
+from deepinfer.worker.rejection import verify_greedy, verify_random
 from deepinfer.worker.sampler import Sampler, SamplingBatch, compute_prompt_logprobs
 
 logger = logging.getLogger("deepinfer")
@@ -69,11 +71,13 @@ def plan_cache(specs: list[CacheTensorSpec], block_size: int, num_slots: int, bu
 
 
 class ModelRunner:
-    def __init__(self, model: torch.nn.Module, layout: CacheLayout, device: torch.device):
+    def __init__(self, model: torch.nn.Module, layout: CacheLayout, device: torch.device,
+                 proposer: Proposer | None = None, specs: list[CacheTensorSpec] | None = None):
         self.model, self.layout, self.device = model, layout, device
+        self.proposer = proposer
         self.vocab_size = model.config.vocab_size
         self.eos_token_ids = model.config.eos_token_ids
-        self.specs = model.kv_cache_spec(layout.block_size)
+        self.specs = specs if specs is not None else model.kv_cache_spec(layout.block_size)
         self.cache = {s.name: self._allocate(s) for s in self.specs}
         model.bind_kv_cache(self.cache)
         self.sampler = Sampler()
@@ -87,25 +91,33 @@ class ModelRunner:
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
         meta, sample_rows, prompt_rows = self._prepare(out.scheduled)
         self._copy_state(out.restores)  # a prefix hit's bounded state, before it is read
-        hidden = self.model(meta)
+        hidden, draft_input = self._forward(meta)
         logits = self.model.compute_logits(hidden[meta.logits_indices])
-        self._copy_state(out.snapshots)  # bounded state at a block boundary, after it is written
-        self._apply_forks(out.forks)
         result = RunnerOutput()
         self._sample(out, logits, sample_rows, result)
         self._prompt_logprobs(logits, prompt_rows, result)
+        if self.proposer is not None:  # before copies: the draft model's state is part of the step's state
+            self._propose(out, meta, draft_input, result)
+        self._copy_state(out.snapshots)  # bounded state at a block boundary, after it is written
+        self._apply_forks(out.forks)
         return result
+
+    def _forward(self, meta: ForwardMeta) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Final hidden states, and the target state the proposer drafts from (if it needs any)."""
+        if self.proposer is None or not self.proposer.hidden_kind:
+            return self.model(meta), None
+        return self.model(meta, return_mtp_input=True)
 
     def _prepare(self, scheduled: list[ScheduledRequest]):
         ids, positions, token_req, qstart = [], [], [], [0]
         sample_rows, prompt_rows = [], []
         for r, s in enumerate(scheduled):
-            ids += s.request.token_ids(s.start, s.start + s.num_new_tokens)
+            ids += s.request.token_ids(s.start, s.start + s.num_new_tokens - s.num_drafts) + s.draft_token_ids
             positions += range(s.start, s.start + s.num_new_tokens)
             token_req += [r] * s.num_new_tokens
             qstart.append(qstart[-1] + s.num_new_tokens)
-            if s.samples:
-                sample_rows.append((s.request, qstart[-1] - 1))
+            if s.samples:  # the last real token's row and one row per draft
+                sample_rows += [(s.request, row) for row in range(qstart[-1] - 1 - s.num_drafts, qstart[-1])]
             prompt_rows += self._prompt_logprob_rows(s, qstart[-2])
         meta = ForwardMeta(
             input_ids=self._long(ids), positions=self._long(positions), token_req=self._long(token_req),
@@ -149,10 +161,17 @@ class ModelRunner:
 
     # --- sampling --------------------------------------------------------------------------------
     def _sample(self, out: SchedulerOutput, logits: torch.Tensor, sample_rows: list, result: RunnerOutput):
-        """Sampled requests use their last row; forked children reuse their parent's row."""
-        parent_pos = {req.request_id: i for i, (req, _) in enumerate(sample_rows)}
-        requests = [req for req, _ in sample_rows]
-        rows = list(range(len(sample_rows)))
+        """Sampled requests use their last row; forked children reuse their parent's row; requests with
+        drafts verify them (their rows are consecutive, one per draft plus one)."""
+        drafts = {s.request.request_id: s.draft_token_ids for s in out.scheduled if s.num_drafts}
+        if drafts:
+            self._verify(logits, sample_rows, drafts, result)
+        first = {}
+        for i, (req, _) in enumerate(sample_rows):
+            first.setdefault(req.request_id, i)
+        parent_pos = {rid: i for rid, i in first.items() if rid not in drafts}
+        requests = [sample_rows[i][0] for i in parent_pos.values()]
+        rows = list(parent_pos.values())
         for fork, child in zip(out.forks, out.fork_children):
             requests.append(child)
             rows.append(parent_pos[fork.parent_id])
@@ -164,6 +183,55 @@ class ModelRunner:
             self.eos_token_ids, self.vocab_size, self.device)
         sampled = self.sampler(logits[self._long(rows)], batch)
         self._record(requests, sampled, result)
+
+    def _verify(self, logits: torch.Tensor, sample_rows: list, drafts: dict[str, list[int]], result: RunnerOutput):
+        """Row j of a request with drafts is scored as if drafts[:j] were already in its output (penalties,
+        min_tokens), then greedy or rejection-sampled verification picks the tokens."""
+        picked = [(i, req) for i, (req, _) in enumerate(sample_rows) if req.request_id in drafts]
+        outputs, seen = [], {}
+        for _, req in picked:
+            j = seen[req.request_id] = seen.get(req.request_id, -1) + 1
+            outputs.append(req.output_token_ids + drafts[req.request_id][:j])
+        reqs = [req for _, req in picked]
+        batch = SamplingBatch.build([r.params for r in reqs], [r.prompt_token_ids for r in reqs], outputs,
+                                    [r.generator for r in reqs], self.eos_token_ids, self.vocab_size, self.device)
+        processed = self.sampler.process(logits[self._long([i for i, _ in picked])].float(), batch)
+        probs = None if batch.all_greedy else self.sampler.filtered_probs(processed.clone(), batch)
+        row = 0
+        for rid, d in drafts.items():
+            req, rows = reqs[row], slice(row, row + len(d) + 1)
+            if req.params.is_greedy:
+                verdict = verify_greedy(processed[rows], d)
+            else:
+                verdict = verify_random(probs[rows], d, req.generator)
+            result.accepted_drafts[rid] = verdict.tokens[:-1]
+            result.sampled[rid] = verdict.tokens[-1]
+            row += len(d) + 1
+
+    # --- drafting ----------------------------------------------------------------------------------
+    def _propose(self, out: SchedulerOutput, meta: ForwardMeta, draft_input, result: RunnerOutput) -> None:
+        items = [self._propose_item(s, meta.query_start[r], result) for r, s in enumerate(out.scheduled)]
+        batch = ProposeBatch(items, draft_input, self.layout.block_size)
+        for rid, draft in self.proposer.propose(batch).items():
+            if draft.token_ids:
+                result.drafts[rid] = draft.token_ids
+                if draft.confidence is not None:
+                    result.draft_confidence[rid] = draft.confidence
+
+    def _propose_item(self, s: ScheduledRequest, first_row: int, result: RunnerOutput) -> ProposeItem:
+        """What the step validated for s: its positions up to the last accepted draft, and the tokens
+        (accepted drafts, the sampled token) that now follow them."""
+        req, rid = s.request, s.request.request_id
+        accepted = result.accepted_drafts.get(rid, [])
+        valid = s.num_new_tokens - s.num_drafts + len(accepted)
+        new = accepted + [result.sampled[rid]] if rid in result.sampled else []
+        history = req.token_ids(0, req.num_tokens) + new
+        last = s.start + valid - 1  # the last valid position; a draft model chains at last + 1, ...
+        held = len(s.block_ids) * self.layout.block_size
+        remaining = req.max_output_tokens - len(req.output_token_ids) - len(new)
+        max_drafts = max(min(held - last, remaining - 1), 0) if new else 0
+        return ProposeItem(rid, history, s.start, valid, list(range(first_row, first_row + valid)), s.block_ids,
+                           s.state_slot, s.write_from, max_drafts)
 
     @staticmethod
     def _record(requests, sampled, result: RunnerOutput) -> None:
