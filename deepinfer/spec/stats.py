@@ -19,10 +19,11 @@ class SpecDecodeStats:
         self.num_drafts += 1
         self.num_draft_tokens += num_verified
         self.num_accepted_tokens += num_accepted
-        for counts, n in ((self.drafted_per_pos, num_verified), (self.accepted_per_pos, num_accepted)):
-            counts.extend([0] * (n - len(counts)))
-            for i in range(n):
-                counts[i] += 1
+        for counts in (self.drafted_per_pos, self.accepted_per_pos):
+            counts.extend([0] * (num_verified - len(counts)))
+        for i in range(num_verified):
+            self.drafted_per_pos[i] += 1
+            self.accepted_per_pos[i] += i < num_accepted
 
     def acceptance_by_position(self, prior: float = 0.5, prior_weight: int = 8) -> list[float]:
         """Empirical P(draft i accepted | drafts < i accepted), shrunk towards `prior` while data is scarce."""
