@@ -196,9 +196,11 @@ class EngineLoop:
     def stats(self) -> EngineStats:
         sched, kv = self.core.scheduler, self.core.kv
         waiting = len(sched.waiting) + sum(len(s) for s in sched.pending_forks.values())
+        spec = sched.spec_stats
         return EngineStats(len(sched.running), waiting, kv.usage(), kv.num_free_blocks, self.core.layout.num_blocks,
                            self.prompt_tokens_total, self.generation_tokens_total, sched.num_preemptions, time.time(),
-                           kv.prefix_queries, kv.prefix_hits)
+                           kv.prefix_queries, kv.prefix_hits, spec.num_drafts, spec.num_draft_tokens,
+                           spec.num_accepted_tokens, list(spec.accepted_per_pos))
 
 
 def ready_message(core: EngineCore) -> EngineReady:

@@ -100,6 +100,10 @@ class EngineStats(_Msg):
     timestamp: float  # engine time.time() when taken
     prefix_queries: int = 0  # prompt tokens looked up in the prefix cache
     prefix_hits: int = 0  # of those, tokens whose paged state was found cached
+    spec_num_drafts: int = 0  # verification rounds with drafts (speculative decoding)
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_pos: list[int] = []  # accepted drafts by position
 
 
 class EngineOutputs(_Msg):

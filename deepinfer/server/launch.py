@@ -25,6 +25,7 @@ from pathlib import Path
 
 import uvicorn
 
+from deepinfer.config import EngineArgs
 from deepinfer.llm import resolve_model
 from deepinfer.server.app import build_app
 from deepinfer.server.engine_client import AsyncEngineClient
@@ -68,10 +69,12 @@ def run_server(args: argparse.Namespace) -> int:
     if bundled:
         print(f"deepinfer: using the bundled default model ({path.name})", flush=True)
     settings = settings_from(args, path, bundled)
+    options = engine_kwargs(args)
+    EngineArgs.from_kwargs(**options)  # a bad option (e.g. --speculative-config) fails before anything starts
     tokenizer = _load_tokenizer(Path(args.tokenizer) if args.tokenizer else path)
     with bind_socket(args.host, args.port) as sock:
         try:
-            return asyncio.run(_serve(args, sock, str(path), engine_kwargs(args), settings, tokenizer))
+            return asyncio.run(_serve(args, sock, str(path), options, settings, tokenizer))
         except RuntimeError as e:  # the engine could not start: a message, not a traceback
             print(f"error: {e}", file=sys.stderr)
             return EXIT_STARTUP_FAILED
