@@ -17,6 +17,7 @@ from deepinfer import LLM, SamplingParams
 from deepinfer.config import ModelConfig, SpeculativeConfig
 from deepinfer.engine.kv_cache import BlockPool
 from deepinfer.models.deepseek_v4 import _HC_RENAMES, DeepseekV4ForCausalLM
+from deepinfer.models.mla_mtp import MLAMTPLayer
 from deepinfer.spec.base import Draft, ProposeBatch, Proposer
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
@@ -37,6 +38,47 @@ def _free_everything(llm: LLM) -> None:
 
 
 # --- checkpoints ---------------------------------------------------------------------------------
+def _add_shard(path, tensors: dict[str, torch.Tensor]) -> None:
+    """model.safetensors -> shard 1, `tensors` -> shard 2, with an index listing both."""
+    shards = ("model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors")
+    (path / "model.safetensors").rename(path / shards[0])
+    save_file(tensors, path / shards[1])
+    names = {n: shards[0] for n in load_file(path / shards[0])} | {n: shards[1] for n in tensors}
+    (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": names}))
+
+
+def _random_(module: torch.nn.Module, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            p.copy_((1.0 if name.endswith("norm.weight") else 0.0) + 0.05 * torch.randn(p.shape, generator=g))
+
+
+def _with_v3_mtp(plain, path, seed: int = 6):
+    """A transformers-saved V3 checkpoint plus a random MTP layer as `model.layers.{N}.*` (HF names, one
+    tensor per expert, and the duplicated embedding / head copies real checkpoints carry)."""
+    shutil.copytree(plain, path)
+    cfg = ModelConfig.from_hf(plain)
+    layer = MLAMTPLayer(cfg, 0, torch.float32, "cpu")
+    _random_(layer, seed)
+    prefix, tensors = f"model.layers.{cfg.num_layers}.", {}
+    for name, t in layer._targets().items():
+        if name == "mlp.experts.w13":
+            inter = t.shape[1] // 2
+            for e in range(t.shape[0]):
+                tensors[f"{prefix}mlp.experts.{e}.gate_proj.weight"] = t[e, :inter].clone()
+                tensors[f"{prefix}mlp.experts.{e}.up_proj.weight"] = t[e, inter:].clone()
+        elif name == "mlp.experts.w2":
+            tensors.update({f"{prefix}mlp.experts.{e}.down_proj.weight": t[e].clone() for e in range(t.shape[0])})
+        else:
+            tensors[prefix + name] = t.detach().clone()
+    main = load_file(plain / "model.safetensors")
+    tensors[prefix + "embed_tokens.weight"] = main["model.embed_tokens.weight"]
+    tensors[prefix + "shared_head.head.weight"] = main["lm_head.weight"]
+    _add_shard(path, tensors)
+    return path
+
+
 def _with_mtp(plain, path, seed: int = 5):
     """A copy of a transformers-saved V4 checkpoint plus random `mtp.0.*` tensors under official names."""
     shutil.copytree(plain, path)
@@ -56,11 +98,7 @@ def _with_mtp(plain, path, seed: int = 5):
             else:
                 official = {v: k for k, v in _HC_RENAMES.items()}.get(name, name)
                 tensors["mtp.0." + official] = p.clone()
-    shards = ("model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors")
-    (path / "model.safetensors").rename(path / shards[0])
-    save_file(tensors, path / shards[1])
-    names = {n: shards[0] for n in load_file(path / shards[0])} | {n: shards[1] for n in tensors}
-    (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": names}))
+    _add_shard(path, tensors)
     return path
 
 
@@ -71,8 +109,13 @@ def v4_ckpt(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def v3_ckpt(tmp_path_factory):
+def v3_plain(tmp_path_factory):
     return save_reference(make_reference("v3", seed=12), tmp_path_factory.mktemp("v3") / "model")
+
+
+@pytest.fixture(scope="module")
+def v3_ckpt(v3_plain, tmp_path_factory):
+    return _with_v3_mtp(v3_plain, tmp_path_factory.mktemp("v3mtp") / "model")
 
 
 class OracleProposer(Proposer):
@@ -167,8 +210,6 @@ def _tiny_batch(vocab: int = 512):
 @pytest.mark.parametrize("kind", ["v4", "v3"])
 @pytest.mark.parametrize("method", ["oracle", "ngram", "mtp"])
 def test_tiny_greedy_is_identical_with_speculation(kind, method, v4_ckpt, v3_ckpt):
-    if kind == "v3" and method == "mtp":
-        pytest.skip("tiny V3 checkpoints saved by transformers carry no MTP layer")
     path = v4_ckpt if kind == "v4" else v3_ckpt
     prompts, params = _tiny_batch()
     base = _tiny(path, None)
@@ -200,9 +241,27 @@ def test_speculative_config_is_validated():
             SpeculativeConfig.parse(bad)
 
 
-def test_mtp_without_mtp_weights_is_a_clear_error(v3_ckpt, tmp_path):
+def test_mtp_without_mtp_weights_is_a_clear_error(v3_plain):
     with pytest.raises(ValueError, match="MTP weights"):
-        _tiny(v3_ckpt, {"method": "mtp"})
+        _tiny(v3_plain, {"method": "mtp"})
+
+
+def test_v3_mtp_layer_loads_every_tensor_and_names_a_missing_one(v3_ckpt, tmp_path):
+    llm = _tiny(v3_ckpt, {"method": "mtp"})
+    model = llm.engine.model
+    assert len(model.mtp) == 1 and model.mtp[0].eh_proj.weight.abs().sum() > 0
+    assert {"mtp.0.mla"} <= set(llm.engine.runner.cache)
+    broken = tmp_path / "broken"
+    shutil.copytree(v3_ckpt, broken)
+    shard = broken / "model-00002-of-00002.safetensors"
+    tensors = load_file(shard)
+    del tensors["model.layers.3.eh_proj.weight"]
+    save_file(tensors, shard)
+    index = json.loads((broken / "model.safetensors.index.json").read_text())
+    del index["weight_map"]["model.layers.3.eh_proj.weight"]
+    (broken / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(ValueError, match="eh_proj"):
+        _tiny(broken, {"method": "mtp"})
 
 
 def test_logprob_requests_do_not_speculate_and_still_match(v4_ckpt):

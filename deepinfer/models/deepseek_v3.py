@@ -26,6 +26,7 @@ from deepinfer.layers.moe import routed_experts
 from deepinfer.layers.norm import RMSNorm
 from deepinfer.layers.rotary import RotaryTable, rotate_interleaved
 from deepinfer.models.loader import CheckpointError
+from deepinfer.models.mla_mtp import MLAMTPLayer
 from deepinfer.models.mla_routing import select_experts
 
 # q_a_layernorm / kv_a_layernorm use the RMSNorm default eps in DeepSeek's code, not rms_norm_eps.
@@ -380,7 +381,9 @@ class DeepseekV3ForCausalLM(nn.Module):
         self.requires_grad_(False)
         self.rotary = RotaryTable(config.rope, config.max_position, device)
         self.mtp_weights: dict[str, torch.Tensor] = {}  # model.layers.{num_layers + k}.*, for MTP drafting
+        self.mtp = nn.ModuleList()  # built from mtp_weights by build_mtp() when MTP drafting is used
         self._kv: list[PagedPool] = []
+        self._mtp_kv: list[PagedPool] = []
         self.kv_cache_dtype = "auto"  # storage of the latent pools: auto (model dtype) | fp8 | int8
 
     @property
@@ -391,14 +394,34 @@ class DeepseekV3ForCausalLM(nn.Module):
         """MLA keeps no bounded state: a cached prefix is resumed without recomputing anything."""
         return 0
 
-    def kv_cache_spec(self, block_size: int) -> list[CacheTensorSpec]:
-        """One latent + rope-key entry per token per layer; quantised storage adds a float32 scale per token."""
+    @property
+    def mtp_loaded(self) -> bool:
+        return bool(self.mtp_weights)
+
+    def build_mtp(self) -> None:
+        """The MTP layers from the checkpoint's `model.layers.{N + k}.*` tensors (CheckpointError if incomplete)."""
+        if len(self.mtp) or not self.mtp_weights:
+            return
+        device, layers = self.lm_head.weight.device, []
+        for k in range(self.config.num_mtp_layers):
+            prefix = f"model.layers.{self.config.num_layers + k}."
+            layer = MLAMTPLayer(self.config, k, self.dtype, device)
+            layer.load({n: t for n, t in self.mtp_weights.items() if n.startswith(prefix)}, prefix)
+            layers.append(layer.requires_grad_(False).eval())
+        self.mtp = nn.ModuleList(layers)
+
+    def _layer_names(self, include_mtp: bool) -> list[str]:
+        mtp = [f"mtp.{k}.mla" for k in range(len(self.mtp))] if include_mtp else []
+        return [f"layers.{i}.mla" for i in range(self.config.num_layers)] + mtp
+
+    def kv_cache_spec(self, block_size: int, include_mtp: bool = False) -> list[CacheTensorSpec]:
+        """One latent + rope-key entry per token per layer (and per built MTP layer with include_mtp);
+        quantised storage adds a float32 scale per token."""
         dtype = storage_dtype(self.kv_cache_dtype, self.dtype)
-        specs = [CacheTensorSpec(f"layers.{i}.mla", "paged", (block_size, self.cache_width), dtype)
-                 for i in range(self.config.num_layers)]
+        names = self._layer_names(include_mtp)
+        specs = [CacheTensorSpec(n, "paged", (block_size, self.cache_width), dtype) for n in names]
         if is_quantised(dtype):
-            specs += [CacheTensorSpec(f"layers.{i}.mla_scale", "paged", (block_size, 1), torch.float32)
-                      for i in range(self.config.num_layers)]
+            specs += [CacheTensorSpec(f"{n}_scale", "paged", (block_size, 1), torch.float32) for n in names]
         return specs
 
     def bind_kv_cache(self, tensors: dict[str, torch.Tensor]) -> None:
@@ -408,15 +431,32 @@ class DeepseekV3ForCausalLM(nn.Module):
         if missing:
             raise ValueError(f"bind_kv_cache: no tensor for {missing[:3]}")
         self._kv = [PagedPool.of(tensors, n, self.cache_width, self.dtype) for n in names]
+        mtp = [n for n in self._layer_names(True)[len(names):] if n in tensors]
+        self._mtp_kv = [PagedPool.of(tensors, n, self.cache_width, self.dtype) for n in mtp]
 
-    def forward(self, meta: ForwardMeta) -> torch.Tensor:
+    def _step(self, meta: ForwardMeta) -> MLAStep:
+        return meta.cached("mla_step", lambda: plan_step(meta, self.rotary, self.config.rope_interleave))
+
+    def forward(self, meta: ForwardMeta, return_mtp_input: bool = False) -> torch.Tensor | tuple[torch.Tensor, ...]:
+        """Final normed hidden [T, D]; with return_mtp_input twice (it is also what MTP layer 0 takes)."""
         if not self._kv:
             raise RuntimeError("bind_kv_cache() must be called before forward()")
-        step = meta.cached("mla_step", lambda: plan_step(meta, self.rotary, self.config.rope_interleave))
+        step = self._step(meta)
         h = self.model.embed_tokens(meta.input_ids)
         for layer, cache in zip(self.model.layers, self._kv):
             h = layer(h, step, cache)
-        return self.model.norm(h)
+        hidden = self.model.norm(h)
+        return (hidden, hidden) if return_mtp_input else hidden
+
+    def mtp_forward(self, k: int, mtp_input: torch.Tensor, next_token_ids: torch.Tensor, meta: ForwardMeta,
+                    return_mtp_input: bool = False) -> torch.Tensor | tuple[torch.Tensor, ...]:
+        """MTP layer k at the positions of `meta` in its own `mtp.{k}` cache: row t pairs mtp_input[t] with
+        the embedding of next_token_ids[t]; returns the hidden the shared head scores (and the layer output)."""
+        if k >= len(self._mtp_kv):
+            raise RuntimeError(f"MTP layer {k} has no cache: build_mtp(), then bind kv_cache_spec(include_mtp=True)")
+        out = self.mtp[k](mtp_input, self.model.embed_tokens(next_token_ids), self._step(meta), self._mtp_kv[k])
+        hidden = self.mtp[k].head_norm(out)
+        return (hidden, out) if return_mtp_input else hidden
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()

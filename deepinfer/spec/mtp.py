@@ -1,4 +1,4 @@
-"""MTP drafting with the checkpoint's own multi-token-prediction layer (V4 `mtp.0.*`).
+"""MTP drafting with the checkpoint's own multi-token-prediction layer (V4 `mtp.0.*`, V3 `model.layers.{N}.*`).
 
 Each step the MTP layer consumes every position the target just validated (catch-up), in its own
 `mtp.0` caches: row t pairs the target's final streams at t with the embedding of token t + 1, so its
@@ -25,6 +25,8 @@ class MTPProposer(Proposer):
         if not getattr(model, "mtp_loaded", False):
             raise ValueError("speculative method 'mtp' needs the checkpoint's MTP weights, and this checkpoint "
                              "has none (num_nextn_predict_layers = 0, or its mtp.* tensors were dropped)")
+        if hasattr(model, "build_mtp"):
+            model.build_mtp()  # V3: layers built from the checkpoint's model.layers.{N + k}.* tensors
         self.model, self.k = model, k
 
     def propose(self, batch: ProposeBatch) -> dict[str, Draft]:
@@ -57,8 +59,9 @@ class MTPProposer(Proposer):
         return drafts
 
     def _pick(self, hidden: torch.Tensor, drafts: list[Draft]) -> list[int]:
-        probs = self.model.compute_logits(hidden).softmax(dim=-1)
-        conf, tok = probs.max(dim=-1)
+        logits = self.model.compute_logits(hidden)
+        best, tok = logits.max(dim=-1)
+        conf = (best - logits.logsumexp(dim=-1)).exp()  # the head's probability of its argmax
         tokens = tok.tolist()
         for d, t, c in zip(drafts, tokens, conf.tolist()):
             d.token_ids.append(t)

@@ -1,0 +1,91 @@
+"""DeepSeek-V3 / R1 multi-token prediction layers, stored in checkpoints as `model.layers.{N + k}.*`
+(N = num_hidden_layers), as DeepSeek-V3's technical report describes them:
+
+    h'_t = eh_proj([enorm(embed(token t + 1)) ; hnorm(h_t)])      (concatenation, 2D -> D)
+    out_t = DecoderLayer(h'_t)                                     (MLA + MoE, the layer's own latent cache)
+    logits = head(shared_head.norm(out_t))                         (embedding and head shared with the model)
+
+h_t is the main model's final (normed) hidden state at position t for k = 0. Row t runs at position t.
+The checkpoint's duplicated `embed_tokens` and `shared_head.head` copies are not loaded: the main
+model's are used.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+from torch import nn
+
+from deepinfer.config import ModelConfig
+from deepinfer.layers.norm import RMSNorm
+from deepinfer.models.loader import CheckpointError
+
+_SHARED = ("embed_tokens.weight", "shared_head.head.weight")
+_EXPERT = re.compile(r"^mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+_FUSED = {"mlp.experts.gate_up_proj": "mlp.experts.w13", "mlp.experts.down_proj": "mlp.experts.w2"}
+
+
+class MLAMTPLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, k: int, dtype: torch.dtype, device):
+        super().__init__()
+        from deepinfer.models.deepseek_v3 import DecoderLayer, _linear  # deepseek_v3 imports this module
+
+        d = cfg.hidden_size
+        self.block = DecoderLayer(cfg, cfg.num_layers + k, dtype, device)
+        self.enorm = RMSNorm(d, cfg.rms_norm_eps)
+        self.hnorm = RMSNorm(d, cfg.rms_norm_eps)
+        self.eh_proj = _linear(2 * d, d, dtype, device)
+        self.head_norm = RMSNorm(d, cfg.rms_norm_eps)
+
+    def forward(self, hidden: torch.Tensor, embeds: torch.Tensor, step, cache) -> torch.Tensor:
+        """Previous hidden [T, D] and next-token embeddings [T, D] -> this layer's output [T, D]."""
+        fused = self.eh_proj(torch.cat([self.enorm(embeds), self.hnorm(hidden)], dim=-1))
+        return self.block(fused, step, cache)
+
+    def load(self, tensors: dict[str, torch.Tensor], prefix: str) -> None:
+        """Tensors named `{prefix}*` (HF names; per-expert or fused experts); every parameter is required."""
+        targets = self._targets()
+        pending = set(targets) - {"mlp.experts.w13", "mlp.experts.w2"}
+        experts = targets["mlp.experts.w13"].shape[0] if "mlp.experts.w13" in targets else 0
+        pending |= {f"mlp.experts.{e}.{p}.weight" for e in range(experts) for p in ("gate_proj", "up_proj",
+                                                                                     "down_proj")}
+        for full, tensor in tensors.items():
+            name = _FUSED.get(full[len(prefix):], full[len(prefix):])
+            if name in _SHARED:
+                continue
+            dst, shown = self._destination(name, targets), full
+            if dst is None:
+                raise CheckpointError(f"unknown MTP tensor {shown!r}")
+            if tuple(dst.shape) != tuple(tensor.shape):
+                raise CheckpointError(f"MTP tensor {shown!r} has shape {tuple(tensor.shape)}, expected "
+                                      f"{tuple(dst.shape)}")
+            with torch.no_grad():
+                dst.copy_(tensor)
+            pending.discard(name)
+            if name in ("mlp.experts.w13", "mlp.experts.w2"):
+                parts = ("gate_proj", "up_proj") if name.endswith("w13") else ("down_proj",)
+                pending -= {f"mlp.experts.{e}.{p}.weight" for e in range(experts) for p in parts}
+        if pending:
+            raise CheckpointError(f"MTP layer {prefix!r} is missing {len(pending)} tensors, e.g. {sorted(pending)[:4]}")
+
+    def _targets(self) -> dict[str, torch.Tensor]:
+        """Checkpoint-relative names -> parameters (the block's names carry no prefix in checkpoints)."""
+        rename = {"enorm.weight": "enorm.weight", "hnorm.weight": "hnorm.weight", "eh_proj.weight": "eh_proj.weight",
+                  "head_norm.weight": "shared_head.norm.weight"}
+        out = {}
+        for name, t in self.state_dict(keep_vars=True).items():
+            out[rename.get(name, name.removeprefix("block."))] = t
+        return out
+
+    @staticmethod
+    def _destination(name: str, targets: dict[str, torch.Tensor]) -> torch.Tensor | None:
+        m = _EXPERT.match(name)
+        if m is None:
+            return targets.get(name)
+        e, part = int(m[1]), m[2]
+        stacked = targets["mlp.experts.w2" if part == "down_proj" else "mlp.experts.w13"]
+        if e >= stacked.shape[0]:
+            return None
+        half = stacked.shape[1] // 2
+        return {"gate_proj": stacked[e, :half], "up_proj": stacked[e, half:], "down_proj": stacked[e]}[part]
