@@ -379,7 +379,7 @@ class SchedulerConfig:
             raise ValueError(f"scheduling policy must be fcfs or priority, got {self.policy!r}")
 
 
-SPECULATIVE_METHODS = ("mtp", "ngram")
+SPECULATIVE_METHODS = ("mtp", "ngram", "dspark")
 VERIFY_POLICIES = ("fixed", "adaptive")
 
 
@@ -394,6 +394,7 @@ class SpeculativeConfig:
     verify_policy: str = "fixed"
     prompt_lookup_max: int = 4  # ngram: longest suffix n-gram searched for in the history
     prompt_lookup_min: int = 1  # ngram: shortest
+    model: str | None = None  # dspark: drafter directory (default: `dspark/` inside the target checkpoint)
 
     def __post_init__(self):
         if self.method not in SPECULATIVE_METHODS:

@@ -17,6 +17,7 @@ from deepinfer import LLM, SamplingParams
 from deepinfer.config import ModelConfig, SpeculativeConfig
 from deepinfer.engine.kv_cache import BlockPool
 from deepinfer.models.deepseek_v4 import _HC_RENAMES, DeepseekV4ForCausalLM
+from deepinfer.models.dspark import DSparkConfig, DSparkDrafter
 from deepinfer.models.mla_mtp import MLAMTPLayer
 from deepinfer.spec.base import Draft, ProposeBatch, Proposer
 
@@ -159,6 +160,15 @@ def _mixed_params() -> list[SamplingParams]:
 
 
 @pytest.fixture(scope="module")
+def random_drafter(tmp_path_factory):
+    """An untrained DSpark drafter for the bundled model (drafts are mostly rejected: rollback paths)."""
+    path = tmp_path_factory.mktemp("dspark")
+    torch.manual_seed(0)
+    DSparkDrafter(DSparkConfig(256, 8192, num_draft_tokens=4)).save(path)
+    return path
+
+
+@pytest.fixture(scope="module")
 def bundled_reference():
     llm = _bundled(None)
     first = _tokens(llm.generate(CODE, _mixed_params(), use_tqdm=False))
@@ -166,17 +176,18 @@ def bundled_reference():
     return first, again
 
 
-@pytest.mark.parametrize("method", ["mtp", "ngram"])
-def test_bundled_greedy_is_identical_with_speculation(bundled_reference, method):
+@pytest.mark.parametrize("method", ["mtp", "ngram", "dspark"])
+def test_bundled_greedy_is_identical_with_speculation(bundled_reference, method, random_drafter):
     """Mixed batch (lengths, penalties, min_tokens, chunked prefill under a 48-token budget), then the
     same prompts extended so they hit the prefix cache."""
-    llm = _bundled({"method": method, "num_speculative_tokens": 3})
+    spec = {"method": method, "num_speculative_tokens": 3}
+    llm = _bundled(spec | ({"model": str(random_drafter)} if method == "dspark" else {}))
     first = _tokens(llm.generate(CODE, _mixed_params(), use_tqdm=False))
     hits = llm.engine.kv.prefix_hits
     again = _tokens(llm.generate([p + "    " for p in CODE], _mixed_params(), use_tqdm=False))
     assert (first, again) == bundled_reference
     stats = llm.engine.scheduler.spec_stats
-    assert stats.num_accepted_tokens > 0 and stats.num_draft_tokens > stats.num_accepted_tokens
+    assert stats.num_draft_tokens > stats.num_accepted_tokens and (stats.num_accepted_tokens > 0 or method == "dspark")
     assert llm.engine.kv.prefix_hits > hits
     _free_everything(llm)
 
@@ -239,6 +250,20 @@ def test_speculative_config_is_validated():
                        ({"method": "mtp", "verify_policy": "magic"}, "verify_policy")]:
         with pytest.raises(ValueError, match=match):
             SpeculativeConfig.parse(bad)
+
+
+def test_dspark_weight_format_round_trips_and_is_checked(random_drafter, tmp_path):
+    drafter = DSparkDrafter.load(random_drafter)
+    assert drafter.cfg == DSparkConfig(256, 8192, num_draft_tokens=4)
+    assert json.loads((random_drafter / "dspark.json").read_text())["format"] == "deepinfer-dspark"
+    with pytest.raises(ValueError, match="trained for"):
+        _bundled({"method": "dspark", "num_speculative_tokens": 5, "model": str(random_drafter)})
+    with pytest.raises(ValueError, match="no DSpark drafter"):
+        _bundled({"method": "dspark", "model": str(tmp_path)})
+    (tmp_path / "dspark.json").write_text(DSparkConfig(256, 8192, num_draft_tokens=2).to_json())
+    shutil.copy(random_drafter / "dspark.safetensors", tmp_path)
+    with pytest.raises(ValueError, match="do not match"):
+        DSparkDrafter.load(tmp_path)
 
 
 def test_mtp_without_mtp_weights_is_a_clear_error(v3_plain):

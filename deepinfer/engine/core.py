@@ -41,7 +41,7 @@ class EngineCore:
         self.speculative = args.speculative
         if self.speculative is not None:  # rings keep room to roll back every draft of a step
             self.model.num_lookahead_tokens = self.speculative.num_speculative_tokens
-        self.proposer = build_proposer(self.speculative, self.model)
+        self.proposer = build_proposer(self.speculative, self.model, model)
         self.max_model_len = args.max_model_len or self.model_config.max_position
         self.layout = self._plan_cache()
         logger.info(self.layout.describe())
@@ -148,5 +148,6 @@ class EngineCore:
             return []
         started = time.perf_counter()
         self.last_result = self.runner.execute(out)
-        self.scheduler.step_profile.record(out.num_tokens, time.perf_counter() - started)
+        if all(s.num_new_tokens - s.num_drafts == 1 for s in out.scheduled):  # decode / verify steps only
+            self.scheduler.step_profile.record(out.num_tokens, time.perf_counter() - started)
         return self.scheduler.update(out, self.last_result)

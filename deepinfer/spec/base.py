@@ -42,7 +42,8 @@ class ProposeBatch:
 
 
 class Proposer:
-    """Drafts tokens; `hidden_kind` names the target state it needs ("" none, "mtp" V4 streams / V3 hidden)."""
+    """Drafts tokens; `hidden_kind` names the target state it needs: "" none, "mtp" what MTP layer 0 takes
+    (V4 final streams, V3 final hidden), "final" the final normed hidden states."""
 
     hidden_kind = ""
 

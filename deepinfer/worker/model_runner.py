@@ -104,9 +104,11 @@ class ModelRunner:
 
     def _forward(self, meta: ForwardMeta) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Final hidden states, and the target state the proposer drafts from (if it needs any)."""
-        if self.proposer is None or not self.proposer.hidden_kind:
-            return self.model(meta), None
-        return self.model(meta, return_mtp_input=True)
+        kind = self.proposer.hidden_kind if self.proposer is not None else ""
+        if kind == "mtp":
+            return self.model(meta, return_mtp_input=True)
+        hidden = self.model(meta)
+        return hidden, (hidden if kind == "final" else None)
 
     def _prepare(self, scheduled: list[ScheduledRequest]):
         ids, positions, token_req, qstart = [], [], [], [0]
