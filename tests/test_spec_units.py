@@ -253,3 +253,21 @@ def test_adaptive_policy_drops_drafts_when_steps_are_compute_bound():
     out = _step(sched, {"a": [60]}, {})
     assert out.scheduled[0].num_drafts == 0
     assert math.isclose(sched.step_profile(10), 0.0101, rel_tol=1e-6)
+
+
+def test_adaptive_back_off_stops_drafting_while_nothing_is_verified_then_probes_again():
+    sched = _sched(policy="adaptive")
+    for i in range(40):
+        sched.step_profile.record(1 + i, 0.0001 + 0.001 * (1 + i))
+    req = _request("a", max_tokens=60)
+    sched.add(req)
+    _step(sched, {"a": [50]}, {"a": [60, 61, 62]})
+    req.spec_confidence = [0.4, 0.3, 0.2]
+    proposing = []
+    for _ in range(12):
+        out = _step(sched, {"a": [60]}, {"a": [70, 71, 72]})
+        req.spec_confidence = [0.4, 0.3, 0.2] if req.spec_token_ids else None
+        proposing.append(out.propose_drafts)
+    # verify nothing -> pause 1 step, probe, pause 2, probe, pause 4, ...
+    assert proposing[:8] == [False, True, False, False, True, False, False, False]
+    assert all(s.num_drafts == 0 for s in out.scheduled)

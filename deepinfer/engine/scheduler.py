@@ -41,6 +41,7 @@ class Scheduler:
         # Called as f(request, rejected draft tokens) when verification rejects drafts (e.g. grammar rollback).
         self.rejection_listeners: list[Callable[[Request, list[int]], None]] = []
         self._verify_lens: dict[str, int] = {}
+        self._draft_pause, self._pause_len = 0, 1  # adaptive back-off while drafts are not worth verifying
         # Tokens recomputed before a prefix-cache hit to rebuild bounded state (V4: layers * (window - 1)).
         self.replay_tokens = replay_tokens
         self.num_snapshot_restores = 0
@@ -79,6 +80,7 @@ class Scheduler:
         if self.config.policy == "priority":
             self.running.sort(key=lambda r: admission_key(r, "priority"))
         self._verify_lens = self._plan_verify()
+        out.propose_drafts = self._back_off()
         budget = self._schedule_running(out, budget)
         if not out.preempted:  # a step that had to preempt has no room to admit anyone
             self._schedule_waiting(out, budget)
@@ -110,6 +112,21 @@ class Scheduler:
         base = sum(r.num_tokens - r.num_computed_tokens for r in self.running)
         lengths = choose_verify_lengths(conf, self.step_profile, base)
         return {r.request_id: d for r, d in zip(reqs, lengths)}
+
+    def _back_off(self) -> bool:
+        """Adaptive policy: when it verifies no draft at all, stop drafting for 1, 2, 4, ... 64 steps (then
+        probe again), so a loaded engine does not pay for drafts it will not check."""
+        if self.speculative is None or self.speculative.verify_policy != "adaptive":
+            return True
+        if self._draft_pause > 0:
+            self._draft_pause -= 1
+            return self._draft_pause == 0
+        if self._verify_lens and not any(self._verify_lens.values()):
+            self._draft_pause, self._pause_len = self._pause_len, min(2 * self._pause_len, 64)
+            return False
+        if any(self._verify_lens.values()):
+            self._pause_len = 1
+        return True
 
     def _drafts(self, req: Request, n: int, budget: int) -> list[int]:
         """The drafts req verifies this step: only when decoding (one token behind), within the budget, the

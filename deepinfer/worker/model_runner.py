@@ -213,6 +213,9 @@ class ModelRunner:
     # --- drafting ----------------------------------------------------------------------------------
     def _propose(self, out: SchedulerOutput, meta: ForwardMeta, draft_input, result: RunnerOutput) -> None:
         items = [self._propose_item(s, meta.query_start[r], result) for r, s in enumerate(out.scheduled)]
+        if not out.propose_drafts:
+            for item in items:
+                item.max_drafts = 0
         batch = ProposeBatch(items, draft_input, self.layout.block_size)
         for rid, draft in self.proposer.propose(batch).items():
             if draft.token_ids:
