@@ -29,7 +29,8 @@ def _prompt(n: int, seed: int, vocab: int = 512) -> list[int]:
 
 
 def _tokens(outputs) -> list[list[int]]:
-    return [o.outputs[0].token_ids for o in outputs]
+    """Every sample's tokens (one list per request when n == 1)."""
+    return [o.outputs[0].token_ids if len(o.outputs) == 1 else [c.token_ids for c in o.outputs] for o in outputs]
 
 
 def _free_everything(llm: LLM) -> None:
@@ -214,22 +215,26 @@ def _tiny(path, spec, **kw) -> LLM:
 def _tiny_batch(vocab: int = 512):
     # lengths straddle the CSA (4) and HCA (16) windows; outputs cross several of both
     prompts = [_prompt(n, seed) for seed, n in enumerate([13, 15, 16, 31, 5, 47])]
-    params = [SamplingParams(**GREEDY, max_tokens=m) for m in (40, 34, 20, 37, 45, 18)]
-    return prompts, params
+    params = [SamplingParams(**GREEDY, max_tokens=m) for m in (40, 34, 20, 37, 45)]
+    return prompts, params + [SamplingParams(**GREEDY, max_tokens=18, n=2)]  # n > 1: forked samples
 
 
-@pytest.mark.parametrize("kind", ["v4", "v3"])
-@pytest.mark.parametrize("method", ["oracle", "ngram", "mtp"])
+@pytest.mark.parametrize("kind, method", [(k, m) for k in ("v4", "v3") for m in ("oracle", "ngram", "mtp")]
+                         + [("v4-snapshot", "mtp")])
 def test_tiny_greedy_is_identical_with_speculation(kind, method, v4_ckpt, v3_ckpt):
-    path = v4_ckpt if kind == "v4" else v3_ckpt
+    """Prefix hits restore V4 bounded state by replay, or (v4-snapshot) from boundary snapshots."""
+    path = v3_ckpt if kind == "v3" else v4_ckpt
+    restore = {"swa_restore": "snapshot"} if kind == "v4-snapshot" else {}
     prompts, params = _tiny_batch()
-    base = _tiny(path, None)
+    base = _tiny(path, None, **restore)
     expected = _tokens(base.generate(prompts, params, use_tqdm=False))
-    extended = [p + e[:20] for p, e in zip(prompts, expected)]  # prefix hits on whole blocks
+    first = [e if isinstance(e[0], int) else e[0] for e in expected]  # greedy samples of n = 2 agree
+    extended = [p + e[:20] for p, e in zip(prompts, first)]  # prefix hits on whole blocks
     expected_ext = _tokens(base.generate(extended, params, use_tqdm=False))
-    spec = _tiny(path, {"method": "ngram" if method == "oracle" else method, "num_speculative_tokens": 4})
+    spec = _tiny(path, {"method": "ngram" if method == "oracle" else method, "num_speculative_tokens": 4}, **restore)
     if method == "oracle":
-        refs = list(zip(prompts, expected)) + list(zip(extended, expected_ext))
+        refs = list(zip(prompts, first)) + list(zip(extended, [e if isinstance(e[0], int) else e[0]
+                                                              for e in expected_ext]))
         spec.engine.runner.proposer = OracleProposer(refs, 4, 512)
     assert _tokens(spec.generate(prompts, params, use_tqdm=False)) == expected
     assert _tokens(spec.generate(extended, params, use_tqdm=False)) == expected_ext
@@ -239,6 +244,7 @@ def test_tiny_greedy_is_identical_with_speculation(kind, method, v4_ckpt, v3_ckp
         assert stats.num_accepted_tokens > 0 and len(stats.accepted_per_pos) == 4
         assert stats.accepted_per_pos[3] > 0 and stats.accepted_per_pos[0] < stats.num_drafts
     assert spec.engine.kv.prefix_hits > 0
+    assert spec.engine.scheduler.num_snapshot_restores > 0 or not restore
     _free_everything(spec)
 
 
