@@ -7,7 +7,7 @@ the model never saw); each request greedily generates `--max-tokens` tokens (EOS
 produces the same number of tokens, and the same tokens). Configurations run interleaved, `--rounds`
 times; the reported figure is the median round. Writes benchmarks/results/speculative.{json,png}.
 
-    python benchmarks/speculative.py [--rounds 3] [--max-tokens 64] [--quick]
+    python benchmarks/speculative.py [--rounds 3] [--max-tokens 64] [--quick] [--methods none "mtp k=3" ...]
 """
 
 from __future__ import annotations
@@ -30,6 +30,9 @@ METHODS = {
     "ngram k=3": {"method": "ngram", "num_speculative_tokens": 3},
     "mtp k=3": {"method": "mtp", "num_speculative_tokens": 3},
     "mtp k=3 adaptive": {"method": "mtp", "num_speculative_tokens": 3, "verify_policy": "adaptive"},
+    "mtp k=1": {"method": "mtp", "num_speculative_tokens": 1},
+    "dspark k=3": {"method": "dspark", "num_speculative_tokens": 3},
+    "dspark k=3 adaptive": {"method": "dspark", "num_speculative_tokens": 3, "verify_policy": "adaptive"},
 }
 
 
@@ -94,12 +97,14 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
     ap.add_argument("--quick", action="store_true", help="one round, batches 1 and 8, 24 tokens")
+    ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
     args = ap.parse_args()
+    methods = ["none"] + [m for m in args.methods if m != "none"]
     if args.quick:
         args.rounds, args.batches, args.max_tokens = 1, [1, 8], 24
     prompts = heldout_prompts(LLM(load_progress=False, kv_cache_memory_bytes=16 * 2**20), max(args.batches))
     runs: dict[str, dict[str, list[dict]]] = {}
-    jobs = [(r, b, m) for r in range(args.rounds) for b in args.batches for m in METHODS]
+    jobs = [(r, b, m) for r in range(args.rounds) for b in args.batches for m in methods]
     for _, batch, name in tqdm(jobs, desc="configurations"):
         runs.setdefault(str(batch), {}).setdefault(name, []).append(
             run_config(METHODS[name], batch, prompts, args.max_tokens))
@@ -132,9 +137,9 @@ def plot(result: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.5))
     batches = list(result["batches"])
-    names = list(METHODS)
+    names = list(result["batches"][batches[0]])
     width = 0.8 / len(names)
     for i, name in enumerate(names):
         a.bar([x + i * width for x in range(len(batches))],
