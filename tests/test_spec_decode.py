@@ -16,6 +16,7 @@ from tiny_models import make_reference, save_reference
 from deepinfer import LLM, SamplingParams
 from deepinfer.config import ModelConfig, SpeculativeConfig
 from deepinfer.engine.kv_cache import BlockPool
+from deepinfer.llm import default_model_path
 from deepinfer.models.deepseek_v4 import _HC_RENAMES, DeepseekV4ForCausalLM
 from deepinfer.models.dspark import DSparkConfig, DSparkDrafter
 from deepinfer.models.mla_mtp import MLAMTPLayer
@@ -178,17 +179,16 @@ def bundled_reference():
 
 
 @pytest.mark.parametrize("method", ["mtp", "ngram", "dspark"])
-def test_bundled_greedy_is_identical_with_speculation(bundled_reference, method, random_drafter):
+def test_bundled_greedy_is_identical_with_speculation(bundled_reference, method):
     """Mixed batch (lengths, penalties, min_tokens, chunked prefill under a 48-token budget), then the
     same prompts extended so they hit the prefix cache."""
-    spec = {"method": method, "num_speculative_tokens": 3}
-    llm = _bundled(spec | ({"model": str(random_drafter)} if method == "dspark" else {}))
+    llm = _bundled({"method": method, "num_speculative_tokens": 3})  # dspark: the drafter shipped with the model
     first = _tokens(llm.generate(CODE, _mixed_params(), use_tqdm=False))
     hits = llm.engine.kv.prefix_hits
     again = _tokens(llm.generate([p + "    " for p in CODE], _mixed_params(), use_tqdm=False))
     assert (first, again) == bundled_reference
     stats = llm.engine.scheduler.spec_stats
-    assert stats.num_draft_tokens > stats.num_accepted_tokens and (stats.num_accepted_tokens > 0 or method == "dspark")
+    assert stats.num_draft_tokens > stats.num_accepted_tokens > 0
     assert llm.engine.kv.prefix_hits > hits
     _free_everything(llm)
 
@@ -256,6 +256,18 @@ def test_speculative_config_is_validated():
                        ({"method": "mtp", "verify_policy": "magic"}, "verify_policy")]:
         with pytest.raises(ValueError, match=match):
             SpeculativeConfig.parse(bad)
+
+
+def test_untrained_dspark_drafter_is_lossless_too(bundled_reference, random_drafter):
+    llm = _bundled({"method": "dspark", "num_speculative_tokens": 4, "model": str(random_drafter)})
+    assert _tokens(llm.generate(CODE, _mixed_params(), use_tqdm=False)) == bundled_reference[0]
+    assert llm.engine.scheduler.spec_stats.num_draft_tokens > 0
+
+
+def test_shipped_dspark_drafter_is_small_and_loads():
+    path = default_model_path() / "dspark"
+    assert sum(f.stat().st_size for f in path.iterdir()) < 4 * 2**20
+    assert DSparkDrafter.load(path).cfg.num_draft_tokens == 4
 
 
 def test_dspark_weight_format_round_trips_and_is_checked(random_drafter, tmp_path):
