@@ -178,11 +178,13 @@ def bundled_reference():
     return first, again
 
 
-@pytest.mark.parametrize("method", ["mtp", "ngram", "dspark"])
+@pytest.mark.parametrize("method", ["mtp", "ngram", "dspark", "mtp-adaptive"])
 def test_bundled_greedy_is_identical_with_speculation(bundled_reference, method):
     """Mixed batch (lengths, penalties, min_tokens, chunked prefill under a 48-token budget), then the
-    same prompts extended so they hit the prefix cache."""
-    llm = _bundled({"method": method, "num_speculative_tokens": 3})  # dspark: the drafter shipped with the model
+    same prompts extended so they hit the prefix cache. Adaptive: drafting switches on and off."""
+    policy = "adaptive" if method.endswith("adaptive") else "fixed"
+    llm = _bundled({"method": method.split("-")[0], "num_speculative_tokens": 3,  # dspark: the shipped drafter
+                    "verify_policy": policy})
     first = _tokens(llm.generate(CODE, _mixed_params(), use_tqdm=False))
     hits = llm.engine.kv.prefix_hits
     again = _tokens(llm.generate([p + "    " for p in CODE], _mixed_params(), use_tqdm=False))

@@ -17,7 +17,13 @@ from deepinfer.engine.scheduler import Scheduler
 from deepinfer.request import Request, RequestStatus
 from deepinfer.sampling_params import SamplingParams
 from deepinfer.spec.ngram import lookup
-from deepinfer.spec.policy import StepTimeProfile, choose_verify_lengths, expected_tokens, fixed_verify_lengths
+from deepinfer.spec.policy import (
+    SpeculationGate,
+    StepTimeProfile,
+    choose_verify_lengths,
+    expected_tokens,
+    fixed_verify_lengths,
+)
 from deepinfer.spec.stats import SpecDecodeStats
 from deepinfer.worker.rejection import verify_greedy, verify_random
 
@@ -255,19 +261,36 @@ def test_adaptive_policy_drops_drafts_when_steps_are_compute_bound():
     assert math.isclose(sched.step_profile(10), 0.0101, rel_tol=1e-6)
 
 
-def test_adaptive_back_off_stops_drafting_while_nothing_is_verified_then_probes_again():
+def test_gate_drafts_only_while_drafting_is_measured_faster():
+    gate = SpeculationGate(probe_every=10, probe_len=2)
+    assert gate.choose(8) is True  # nothing measured: try drafting first
+    gate.record(8, True, 50.0)
+    assert gate.choose(8) is False  # then plain decoding
+    gate.record(8, False, 80.0)
+    modes = [gate.choose(8) for _ in range(60)]  # steps 3..62
+    # plain decoding, re-measuring drafting for 2 steps at 10, then 22 (the first choice is confirmed), then 44
+    assert [i + 3 for i, m in enumerate(modes) if m] == [10, 11, 22, 23, 44, 45]
+    gate.record(8, True, 200.0)
+    modes = [gate.choose(8) for _ in range(40)]  # steps 63..102: drafting now wins
+    # plain decoding is probed at 86 (the doubled interval), then 10 steps later (the choice flipped)
+    assert [i + 63 for i, m in enumerate(modes) if not m] == [86, 87, 98, 99]
+    assert gate.choose(64) is True  # another batch-size bucket is measured separately
+
+
+def test_adaptive_scheduler_stops_drafting_when_plain_decoding_is_faster():
     sched = _sched(policy="adaptive")
-    for i in range(40):
-        sched.step_profile.record(1 + i, 0.0001 + 0.001 * (1 + i))
     req = _request("a", max_tokens=60)
     sched.add(req)
     _step(sched, {"a": [50]}, {"a": [60, 61, 62]})
-    req.spec_confidence = [0.4, 0.3, 0.2]
-    proposing = []
+    modes = []
     for _ in range(12):
-        out = _step(sched, {"a": [60]}, {"a": [70, 71, 72]})
-        req.spec_confidence = [0.4, 0.3, 0.2] if req.spec_token_ids else None
-        proposing.append(out.propose_drafts)
-    # verify nothing -> pause 1 step, probe, pause 2, probe, pause 4, ...
-    assert proposing[:8] == [False, True, False, False, True, False, False, False]
+        out = sched.schedule()
+        result = RunnerOutput(sampled={"a": 7})
+        if out.propose_drafts:
+            result.drafts["a"] = [70, 71, 72]
+        sched.update(out, result)
+        sched.record_step(out, result, 0.010 if out.propose_drafts else 0.002)  # drafting: 5x slower steps
+        modes.append(out.propose_drafts)
+    # drafting is measured on a step that verifies drafts, plain decoding on one after the switch settles
+    assert modes[:4] == [True, False, False, False] and not any(modes[4:12])
     assert all(s.num_drafts == 0 for s in out.scheduled)

@@ -142,12 +142,12 @@ class EngineCore:
     # --- stepping ------------------------------------------------------------------------------
     def step(self) -> list[Request]:
         """Run one step; returns every request whose state changed (finished ones included)."""
+        started = time.perf_counter()
         out = self.last_scheduled = self.scheduler.schedule()
         if out.is_empty:
             self.last_result = RunnerOutput()
             return []
-        started = time.perf_counter()
         self.last_result = self.runner.execute(out)
-        if all(s.num_new_tokens - s.num_drafts == 1 for s in out.scheduled):  # decode / verify steps only
-            self.scheduler.step_profile.record(out.num_tokens, time.perf_counter() - started)
-        return self.scheduler.update(out, self.last_result)
+        touched = self.scheduler.update(out, self.last_result)
+        self.scheduler.record_step(out, self.last_result, time.perf_counter() - started)
+        return touched

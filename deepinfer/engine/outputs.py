@@ -41,7 +41,7 @@ class SchedulerOutput:
     preempted: list[str] = field(default_factory=list)
     restores: list[tuple[int, int]] = field(default_factory=list)  # (snapshot row, state slot) before the step
     snapshots: list[tuple[int, int]] = field(default_factory=list)  # (state slot, snapshot row) after the step
-    propose_drafts: bool = True  # False: draft models only keep their caches in step (adaptive back-off)
+    propose_drafts: bool = True  # False: no drafting this step (adaptive policy measured plain decoding faster)
 
     @property
     def num_tokens(self) -> int:

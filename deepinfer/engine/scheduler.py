@@ -18,7 +18,7 @@ from deepinfer.config import SchedulerConfig, SpeculativeConfig
 from deepinfer.engine.kv_cache import KVCacheManager, chain_hashes
 from deepinfer.engine.outputs import RunnerOutput, ScheduledRequest, SchedulerOutput
 from deepinfer.request import Request, RequestStatus
-from deepinfer.spec.policy import StepTimeProfile, choose_verify_lengths
+from deepinfer.spec.policy import SpeculationGate, StepTimeProfile, choose_verify_lengths
 from deepinfer.spec.stats import SpecDecodeStats
 
 
@@ -41,7 +41,7 @@ class Scheduler:
         # Called as f(request, rejected draft tokens) when verification rejects drafts (e.g. grammar rollback).
         self.rejection_listeners: list[Callable[[Request, list[int]], None]] = []
         self._verify_lens: dict[str, int] = {}
-        self._draft_pause, self._pause_len = 0, 1  # adaptive back-off while drafts are not worth verifying
+        self.gate = SpeculationGate()  # adaptive: draft only while it measurably beats plain decoding
         # Tokens recomputed before a prefix-cache hit to rebuild bounded state (V4: layers * (window - 1)).
         self.replay_tokens = replay_tokens
         self.num_snapshot_restores = 0
@@ -79,8 +79,8 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         if self.config.policy == "priority":
             self.running.sort(key=lambda r: admission_key(r, "priority"))
-        self._verify_lens = self._plan_verify()
-        out.propose_drafts = self._back_off()
+        out.propose_drafts = self._drafting()
+        self._verify_lens = self._plan_verify() if out.propose_drafts else {}
         budget = self._schedule_running(out, budget)
         if not out.preempted:  # a step that had to preempt has no room to admit anyone
             self._schedule_waiting(out, budget)
@@ -113,20 +113,23 @@ class Scheduler:
         lengths = choose_verify_lengths(conf, self.step_profile, base)
         return {r.request_id: d for r, d in zip(reqs, lengths)}
 
-    def _back_off(self) -> bool:
-        """Adaptive policy: when it verifies no draft at all, stop drafting for 1, 2, 4, ... 64 steps (then
-        probe again), so a loaded engine does not pay for drafts it will not check."""
+    def _drafting(self) -> bool:
+        """Fixed policy: always. Adaptive: while the gate measures drafting faster than plain decoding."""
         if self.speculative is None or self.speculative.verify_policy != "adaptive":
             return True
-        if self._draft_pause > 0:
-            self._draft_pause -= 1
-            return self._draft_pause == 0
-        if self._verify_lens and not any(self._verify_lens.values()):
-            self._draft_pause, self._pause_len = self._pause_len, min(2 * self._pause_len, 64)
-            return False
-        if any(self._verify_lens.values()):
-            self._pause_len = 1
-        return True
+        return self.gate.choose(len(self.running))
+
+    def record_step(self, out: SchedulerOutput, result: RunnerOutput, seconds: float) -> None:
+        """Measurements of a decode / verify step for the adaptive policy: step time by batched tokens, and
+        tokens emitted per request per second with and without drafting."""
+        if not out.scheduled or any(s.num_new_tokens - s.num_drafts != 1 for s in out.scheduled):
+            return
+        if out.propose_drafts != any(s.num_drafts for s in out.scheduled):
+            return  # a switch between modes (drafting without verifying yet, or the reverse): not steady state
+        if out.propose_drafts:  # the verify cost of extra tokens, measured among drafting steps only
+            self.step_profile.record(out.num_tokens, seconds)
+        emitted = sum(1 + len(result.accepted_drafts.get(s.request.request_id, [])) for s in out.scheduled)
+        self.gate.record(len(out.scheduled), out.propose_drafts, emitted / len(out.scheduled) / seconds)
 
     def _drafts(self, req: Request, n: int, budget: int) -> list[int]:
         """The drafts req verifies this step: only when decoding (one token behind), within the budget, the

@@ -61,13 +61,21 @@ class StepTimeProfile:
 
     def __init__(self, window: int = 512):
         self.samples: deque[tuple[int, float]] = deque(maxlen=window)
+        self._fit: tuple[float, float] | None = None
+        self._stale = True
 
     def record(self, num_tokens: int, seconds: float) -> None:
         if num_tokens > 0 and seconds > 0:
             self.samples.append((num_tokens, seconds))
+            self._stale = True
 
     def line(self) -> tuple[float, float] | None:
-        """(a, b) with a > 0 and b >= 0, or None without enough spread in the data."""
+        """(a, b) with a > 0 and b >= 0, or None without enough spread in the data (refitted after records)."""
+        if self._stale:
+            self._fit, self._stale = self._least_squares(), False
+        return self._fit
+
+    def _least_squares(self) -> tuple[float, float] | None:
         n = len(self.samples)
         if n < 2:
             return None
@@ -86,3 +94,40 @@ class StepTimeProfile:
             return 1.0 + num_tokens / 256
         a, b = fit
         return a + b * num_tokens
+
+
+class SpeculationGate:
+    """Whether to draft at all: the measured decode rate (tokens per request per second, by batch-size
+    bucket) with and without drafting. Drafts only while drafting is the faster mode and re-measures the
+    other mode for `probe_len` steps, first after `probe_every` steps, then at doubling intervals (up to
+    1024 steps) while the choice stands, so a loaded engine where verification or drafting costs more than
+    it saves falls back to plain decoding at little cost."""
+
+    def __init__(self, probe_every: int = 32, probe_len: int = 4, alpha: float = 0.25):
+        self.probe_every, self.probe_len, self.alpha = probe_every, probe_len, alpha
+        self.rates: dict[tuple[int, bool], float] = {}
+        self.steps = 0
+        self.period, self.next_probe, self.last_best = probe_every, probe_every, None
+
+    @staticmethod
+    def bucket(num_requests: int) -> int:
+        return max(num_requests, 1).bit_length()
+
+    def record(self, num_requests: int, drafting: bool, rate: float) -> None:
+        """`rate`: tokens emitted per request per second in a decode step (exponential moving average)."""
+        key = (self.bucket(num_requests), drafting)
+        old = self.rates.get(key)
+        self.rates[key] = rate if old is None else old + self.alpha * (rate - old)
+
+    def choose(self, num_requests: int) -> bool:
+        self.steps += 1
+        b = self.bucket(num_requests)
+        on, off = self.rates.get((b, True)), self.rates.get((b, False))
+        if on is None or off is None:
+            return on is None  # measure drafting first, then plain decoding
+        best = on >= off
+        if self.steps >= self.next_probe + self.probe_len:  # a probe just ended
+            self.period = min(2 * self.period, 1024) if best == self.last_best else self.probe_every
+            self.last_best, self.next_probe = best, self.steps + self.period
+        probing = self.next_probe <= self.steps < self.next_probe + self.probe_len
+        return best != probing

@@ -96,7 +96,7 @@ class ModelRunner:
         result = RunnerOutput()
         self._sample(out, logits, sample_rows, result)
         self._prompt_logprobs(logits, prompt_rows, result)
-        if self.proposer is not None:  # before copies: the draft model's state is part of the step's state
+        if self.proposer is not None and out.propose_drafts:  # before copies: draft state is part of the step
             self._propose(out, meta, draft_input, result)
         self._copy_state(out.snapshots)  # bounded state at a block boundary, after it is written
         self._apply_forks(out.forks)
@@ -213,9 +213,6 @@ class ModelRunner:
     # --- drafting ----------------------------------------------------------------------------------
     def _propose(self, out: SchedulerOutput, meta: ForwardMeta, draft_input, result: RunnerOutput) -> None:
         items = [self._propose_item(s, meta.query_start[r], result) for r, s in enumerate(out.scheduled)]
-        if not out.propose_drafts:
-            for item in items:
-                item.max_drafts = 0
         batch = ProposeBatch(items, draft_input, self.layout.block_size)
         for rid, draft in self.proposer.propose(batch).items():
             if draft.token_ids:
