@@ -23,10 +23,10 @@ import time
 from pathlib import Path
 
 import torch
-from offline_throughput import machine_facts
 from tqdm import tqdm
 
 from deepinfer import LLM, SamplingParams
+from deepinfer.bench.machine import machine_facts
 
 RESULTS = Path(__file__).parent / "results"
 TESTS = Path(__file__).parent.parent / "tests"
