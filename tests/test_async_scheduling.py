@@ -13,7 +13,9 @@ from tiny_models import make_reference, save_reference, write_tokenizer
 from deepinfer import LLM, SamplingParams
 from deepinfer.config import EngineArgs, SchedulerConfig
 from deepinfer.engine.core import EngineCore
+from deepinfer.engine.engine_proc import EngineLoop
 from deepinfer.engine.kv_cache import KVCacheManager
+from deepinfer.engine.messages import AddRequest, params_to_dict
 from deepinfer.engine.outputs import RunnerOutput
 from deepinfer.engine.scheduler import Scheduler
 from deepinfer.request import Request
@@ -132,6 +134,33 @@ def test_engine_process_path_equals_synchronous_llm(ckpt):
             await client.shutdown()
 
     assert asyncio.run(main()) == expected
+
+
+def test_failed_forward_fails_its_requests_and_the_rest_run(ckpt, monkeypatch):
+    """Engine-process loop, async: a forward that raises fails the requests of that step and of the step
+    queued behind it; a request admitted later runs normally; nothing leaks."""
+    core = EngineCore(ckpt, EngineArgs(**dict(OPTIONS, max_num_seqs=1), async_scheduling=True,
+                                       kv_cache_memory_bytes=32 * 2**20))
+    execute = core.runner.execute
+
+    def failing_execute(out):
+        if any(s.request.request_id == "bad" for s in out.scheduled):
+            raise RuntimeError("injected failure")
+        return execute(out)
+
+    monkeypatch.setattr(core.runner, "execute", failing_execute)
+    loop = EngineLoop(core)
+    params = params_to_dict(SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+    assert loop.add(AddRequest("bad", _prompt(7, 9), params)) is None
+    assert loop.add(AddRequest("ok", _prompt(9, 8), params)) is None
+    outputs = []
+    while core.has_unfinished:
+        outputs += loop.step()
+    finished = {o.request_id: o.finish_reason for o in outputs if o.finish_reason}
+    assert finished == {"bad": "error", "ok": "length"}
+    assert sum(len(o.new_token_ids) for o in outputs if o.request_id == "ok") == 6
+    assert core.kv.num_free_blocks == core.layout.num_blocks and loop.groups == {}
+    core.shutdown()
 
 
 # --- scheduler unit behaviour (no model) ----------------------------------------------------------

@@ -146,7 +146,7 @@ class EngineCore:
         if not out.is_empty:
             self.in_flight = (out, self._worker.submit(self.runner.execute, out))
         if previous is None:
-            self.last_scheduled, self.last_result = out, RunnerOutput()
+            self.last_scheduled, self.last_result = SchedulerOutput(), RunnerOutput()
             return []
         self.last_scheduled = previous[0]
         self.last_result = self._result(previous[1])

@@ -301,6 +301,7 @@ def _serve(model_path, engine_kwargs, inp, out, parent_pid) -> bool:
         loop = EngineLoop(build_core(model_path, engine_kwargs))
         out.send(encode(ready_message(loop.core)))
         _Server(loop, inp, out, parent_pid).run()
+        loop.core.shutdown()
         return True
     except Exception as e:
         logger.exception("the engine failed")
