@@ -13,6 +13,7 @@ batch either.
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 
 import torch
@@ -22,7 +23,7 @@ from deepinfer.layers.metadata import ForwardMeta
 
 def token_meta(meta: ForwardMeta, t: int) -> ForwardMeta:
     """The one-token step of flat row t of `meta`; tensors sized by that token's own request only."""
-    r = int(meta.token_req[t])
+    r = bisect.bisect_right(meta.query_start, t) - 1  # host lists only: no device sync per token
     pos = meta.seq_starts[r] + t - meta.query_start[r]
     blocks = -(-(pos + 1) // meta.block_size)
     write_from = meta.paged_write_from[r] if meta.paged_write_from is not None else meta.seq_starts[r]
