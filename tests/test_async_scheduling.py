@@ -119,21 +119,30 @@ def test_engine_aborts_equal_synchronous(ckpt, deterministic):
 
 
 def test_engine_process_path_equals_synchronous_llm(ckpt):
+    """Through the engine process; one prompt (110 tokens, 48-token budget) is chunked and asks for
+    prompt logprobs, whose rows must arrive once each, in order, although the scheduler runs ahead."""
     kwargs = dict(OPTIONS, kv_cache_memory_bytes=32 * 2**20)
-    prompts = [_prompt(6 + 5 * i, 80 + i) for i in range(5)]
-    params = SamplingParams(temperature=0, max_tokens=9, ignore_eos=True)
-    expected = [o.outputs[0].token_ids for o in LLM(ckpt, **kwargs).generate(prompts, params, use_tqdm=False)]
+    prompts = [_prompt(6 + 5 * i, 80 + i) for i in range(5)] + [_prompt(110, 90)]
+    params = [SamplingParams(temperature=0, max_tokens=9, ignore_eos=True)] * 5 + [
+        SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, prompt_logprobs=1)]
+    offline = LLM(ckpt, **kwargs).generate(prompts, params, use_tqdm=False)
+    expected = [o.outputs[0].token_ids for o in offline]
 
     async def main():
         client = await AsyncEngineClient.start(str(ckpt), dict(kwargs, async_scheduling=True))
         try:
             async def one(i):
-                return [t async for out in client.generate(f"q{i}", prompts[i], params) for t in out.new_token_ids]
+                return [out async for out in client.generate(f"q{i}", prompts[i], params[i])]
             return await asyncio.gather(*(one(i) for i in range(len(prompts))))
         finally:
             await client.shutdown()
 
-    assert asyncio.run(main()) == expected
+    streams = asyncio.run(main())
+    assert [[t for out in stream for t in out.new_token_ids] for stream in streams] == expected
+    rows = [row for out in streams[-1] for row in out.prompt_logprobs or []]
+    assert [ids[0] for ids, _, _ in rows] == prompts[-1][1:]
+    want = [entry for entry in offline[-1].prompt_logprobs if entry is not None]
+    assert [lps[0] for _, lps, _ in rows] == pytest.approx([e[t].logprob for e, t in zip(want, prompts[-1][1:])])
 
 
 def test_failed_forward_fails_its_requests_and_the_rest_run(ckpt, monkeypatch):
