@@ -324,14 +324,16 @@ def test_fuzz_invariants_with_prefix_snapshots_without_chunked_prefill():
     assert stats["completed"] > 50 and stats["prefix_hits"] > 0
 
 
-@pytest.mark.parametrize("prefix_caching", [False, True])
-def test_fuzz_invariants_with_async_scheduling(prefix_caching):
+@pytest.mark.parametrize("prefix_caching, snapshots", [(False, 0), (True, 0), (True, 8)])
+def test_fuzz_invariants_with_async_scheduling(prefix_caching, snapshots):
     """Updates lag one step behind scheduling, as with the async engine: placeholders, aborts while a
-    token is in flight, preemption of a request with a pending token, forks, prefix hits."""
+    token is in flight, preemption of a request with a pending token, forks, prefix hits, snapshots."""
     stats = fuzz("fcfs", num_requests=500, seed=8, async_scheduling=True, prefix_caching=prefix_caching,
-                 num_blocks=64 if prefix_caching else 48, replay_tokens=24 if prefix_caching else 0)
+                 num_blocks=64 if prefix_caching else 48, replay_tokens=24 if prefix_caching else 0,
+                 num_snapshots=snapshots)
     assert stats["preemptions"] > 0 and stats["completed"] > 100 and stats["dropped_in_flight"] > 0
     assert stats["abort_running"] > 0 and stats["forked_children"] > 0
+    assert stats["snapshot_restores"] > 0 if snapshots else stats["snapshot_restores"] == 0
 
 
 def test_fuzz_invariants_with_fewer_state_slots_than_seqs():

@@ -200,8 +200,9 @@ class Scheduler:
         bs = self.kv.block_size
         for s in out.scheduled:
             end, req = s.start + s.num_new_tokens, s.request
-            if end % bs or end < req.resume_point or not self._caches(req):
-                continue  # not on a boundary, or still replaying (state inexact until the hit point)
+            if end % bs or end < req.resume_point or not self._caches(req) or s.placeholder:
+                continue  # not on a boundary, still replaying (state inexact until the hit point), or async
+                # with the block's last token not known yet (its hash cannot be formed)
             req.block_hashes = chain_hashes(req.token_ids(0, end), bs, req.cache_salt, req.block_hashes)
             row = self.kv.claim_snapshot(req.block_hashes[end // bs - 1])
             if row is not None:
