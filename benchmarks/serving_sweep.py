@@ -129,6 +129,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=RESULTS)
     ap.add_argument("--models", default="bundled,v4-71m", help="comma-separated subset (default: %(default)s)")
     args = ap.parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind, so `finally` stops the servers
     args.out.mkdir(parents=True, exist_ok=True)
     result = {"machine": machine_facts(), "models": {}}
     with tempfile.TemporaryDirectory() as tmp:
