@@ -5,7 +5,9 @@
    on the bundled model, a tiny V4 and a tiny V3, in default and deterministic mode. Records per scenario
    whether the target's logits are bitwise equal to its run alone, the largest logit difference, and
    whether its tokens are equal. Nothing is asserted here; the test asserts the deterministic side.
-2. Cost: the bundled model, default vs deterministic mode in the same process: prefill tokens/s (one
+2. GEMM row invariance on this machine: which row counts change a row's bits, and whether a row's
+   position inside a fixed-size tile does (groundwork for batched batch-invariant kernels).
+3. Cost: the bundled model, default vs deterministic mode in the same process: prefill tokens/s (one
    256-token prompt) and decode tokens/s at batch 1 and 16 (greedy, 32 tokens).
 
 Writes benchmarks/results/determinism.{json,png}.
@@ -59,6 +61,26 @@ def invariance(kinds: list[str]) -> dict:
                     bar.update(1)
                 report[f"{kind}/{'deterministic' if deterministic else 'default'}"] = rows
     return report
+
+
+def gemm_row_invariance(shapes: list[tuple[int, int]], max_rows: int = 64, tile: int = 16) -> list[dict]:
+    """For F.linear at each (in, out) shape: the row counts M whose rows differ bitwise from the same rows
+    computed with M = max_rows, and the positions in a fixed `tile`-row GEMM where one row's result
+    differs from its result at position 0. The groundwork for batched batch-invariant kernels."""
+    import torch.nn.functional as F
+
+    g = torch.Generator().manual_seed(0)
+    out = []
+    for k, n in shapes:
+        w, x = torch.randn(n, k, generator=g), torch.randn(max_rows, k, generator=g)
+        ref = F.linear(x, w)
+        differ = [m for m in range(1, max_rows + 1) if not torch.equal(F.linear(x[:m], w), ref[:m])]
+        row, others = x[-1:], x[:tile - 1]
+        base = F.linear(torch.cat([row, others]), w)[0]
+        moved = [p for p in range(tile)
+                 if not torch.equal(F.linear(torch.cat([others[:p], row, others[p:]]), w)[p], base)]
+        out.append({"in": k, "out": n, "row_counts_that_differ": differ, "tile_positions_that_differ": moved})
+    return out
 
 
 def timed(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> float:
@@ -116,7 +138,9 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--out", type=Path, default=RESULTS)
     args = ap.parse_args()
-    result = {"machine": machine_facts(), "invariance": invariance(args.kinds), "cost": cost(args.repeats)}
+    shapes = [(256, 128), (128, 256), (256, 64), (256, 8192)]  # bundled model: wq_a, wq_b, wkv, head
+    result = {"machine": machine_facts(), "gemm_row_invariance": gemm_row_invariance(shapes),
+              "invariance": invariance(args.kinds), "cost": cost(args.repeats)}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "determinism.json").write_text(json.dumps(result, indent=2))
     plot(result, args.out / "determinism.png")
@@ -124,6 +148,7 @@ def main() -> None:
         print(name, {s: (r["logits_bitwise_equal"], f"{r['max_abs_logit_diff']:.2e}", r["tokens_equal"])
                      for s, r in rows.items()})
     print(json.dumps(result["cost"], indent=2))
+    print(json.dumps(result["gemm_row_invariance"]))
 
 
 if __name__ == "__main__":
