@@ -57,7 +57,7 @@ def server_command(engine: str, path: Path, port: int) -> list[str]:
 
 
 class Server:
-    """One engine's server process; its output goes to a log file next to the results."""
+    """One engine's server process; its output goes to a log file (quoted when it fails)."""
 
     def __init__(self, engine: str, path: Path, log: Path):
         self.port, self.log = free_port(), log
@@ -73,14 +73,17 @@ class Server:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited; see {self.log}")
+                raise RuntimeError(f"server exited:\n{self.tail()}")
             try:
                 if httpx.get(self.url + "/v1/models", timeout=2, trust_env=False).status_code == 200:
                     return self
             except httpx.HTTPError:
                 pass
             time.sleep(0.5)
-        raise RuntimeError(f"server not ready after {timeout} s; see {self.log}")
+        raise RuntimeError(f"server not ready after {timeout} s:\n{self.tail()}")
+
+    def tail(self) -> str:
+        return self.log.read_text(errors="replace")[-3000:]
 
     def stop(self) -> None:
         self.proc.send_signal(signal.SIGINT)
@@ -101,9 +104,9 @@ def sweep_args(url: str, path: Path, label: str, quick: bool) -> argparse.Namesp
     return cli.build_parser().parse_args(argv)
 
 
-def run_engine(engine: str, name: str, path: Path, out: Path, quick: bool) -> dict:
+def run_engine(engine: str, name: str, path: Path, logs: Path, quick: bool) -> dict:
     print(f"=== {name}: {engine}", flush=True)
-    server = Server(engine, path, out / f"serving_sweep_{name}_{engine}.log").wait_ready()
+    server = Server(engine, path, logs / f"{name}_{engine}.log").wait_ready()
     try:
         return run_sweep(sweep_args(server.url, path, engine, quick))
     finally:
@@ -126,12 +129,13 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=RESULTS)
     ap.add_argument("--models", default="bundled,v4-71m", help="comma-separated subset (default: %(default)s)")
     args = ap.parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind, so `finally` stops the servers
     args.out.mkdir(parents=True, exist_ok=True)
     result = {"machine": machine_facts(), "models": {}}
     with tempfile.TemporaryDirectory() as tmp:
         paths = checkpoints(Path(tmp))
         for name in args.models.split(","):
-            sweeps = [run_engine(e, name, paths[name], args.out, args.quick) for e in ("deepinfer", "transformers")]
+            sweeps = [run_engine(e, name, paths[name], Path(tmp), args.quick) for e in ("deepinfer", "transformers")]
             result["models"][name] = sweeps
             plot_sweeps(sweeps, args.out / f"serving_sweep_{name}.png",
                         title=f"{name}: deepinfer vs transformers serve (float32, {result['machine']['cpu']})")

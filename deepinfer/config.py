@@ -371,6 +371,7 @@ class SchedulerConfig:
     max_model_len: int = 0  # 0: the model's max_position
     enable_chunked_prefill: bool = True
     policy: str = "fcfs"  # fcfs | priority
+    async_scheduling: bool = False  # schedule step N+1 before step N's sampled tokens are known
 
     def __post_init__(self):
         if self.max_num_seqs <= 0 or self.max_num_batched_tokens <= 0:
@@ -446,11 +447,19 @@ class EngineArgs:
     num_prefix_snapshots: int = 0  # state rows kept for snapshots (0: 2 x max_num_seqs when snapshots are on)
     scheduling_policy: str = "fcfs"
     load_progress: bool = True
-    # {"method": "mtp" | "ngram", "num_speculative_tokens": k, ...} as a dict or JSON text; None: off
+    # Overlap the forward of step N (worker thread) with scheduling N+1 and processing N-1's outputs.
+    # Speculative decoding runs synchronous steps (the next schedule needs the accepted count).
+    async_scheduling: bool = False
+    # Batch-invariant kernels and position-seeded sampling: a request's logits and tokens do not depend
+    # on the batch, chunking or preemption (docs/determinism.md). Slower.
+    deterministic: bool = False
+    # {"method": "mtp" | "ngram" | "dspark", "num_speculative_tokens": k, ...} as a dict or JSON text; None: off
     speculative_config: str | dict | None = None
 
     def __post_init__(self):
-        SpeculativeConfig.parse(self.speculative_config)  # validate early
+        if SpeculativeConfig.parse(self.speculative_config) is not None and self.deterministic:
+            raise ValueError("speculative decoding cannot be combined with deterministic mode (verification "
+                             "steps batch several tokens of a request, which deterministic mode rules out)")
         if self.swa_restore not in ("replay", "snapshot", "auto"):
             raise ValueError(f"swa_restore must be replay, snapshot or auto, got {self.swa_restore!r}")
 
@@ -469,4 +478,4 @@ class EngineArgs:
     def scheduler_config(self, max_model_len: int) -> SchedulerConfig:
         return SchedulerConfig(max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
                                max_model_len=max_model_len, enable_chunked_prefill=self.enable_chunked_prefill,
-                               policy=self.scheduling_policy)
+                               policy=self.scheduling_policy, async_scheduling=self.async_scheduling)

@@ -44,6 +44,7 @@ class Request:
     cache_salt: str | None = None  # requests with different salts never share cached blocks
     block_hashes: list[bytes] = field(default_factory=list)  # chained hashes of its full blocks
     resume_point: int = 0  # a prefix-cache hit's first uncached position; paged state below it is shared
+    num_pending: int = 0  # async scheduling: tokens sampled by steps in flight, not appended yet
     spec_token_ids: list[int] = field(default_factory=list)  # drafts proposed after the last step, unverified
     spec_confidence: list[float] | None = None  # the proposer's predicted acceptance of each draft
 

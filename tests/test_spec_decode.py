@@ -398,3 +398,13 @@ def test_the_distribution_test_detects_a_lossy_verifier(monkeypatch, plain_draws
               speculative_config={"method": "mtp", "num_speculative_tokens": 2})
     p_value, _ = _homogeneity_p(plain_draws, _draws(llm, DRAW_PROMPT, DRAWS, 10_000))
     assert p_value < 1e-3
+
+
+def test_speculation_runs_synchronous_steps_and_rejects_deterministic_mode(v4_ckpt):
+    with pytest.raises(ValueError, match="deterministic"):
+        _tiny(v4_ckpt, {"method": "ngram"}, deterministic=True)
+    prompts, params = _tiny_batch()
+    llm = _tiny(v4_ckpt, {"method": "mtp", "num_speculative_tokens": 2}, async_scheduling=True)
+    assert not llm.engine.args.async_scheduling and llm.engine._worker is None
+    expected = _tokens(_tiny(v4_ckpt, None).generate(prompts[:2], params[:2], use_tqdm=False))
+    assert _tokens(llm.generate(prompts[:2], params[:2], use_tqdm=False)) == expected

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import logging
 import time
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -31,7 +33,11 @@ def load_model(path: str | Path, config: ModelConfig, dtype: torch.dtype, device
 
 class EngineCore:
     def __init__(self, model: str | Path, args: EngineArgs | None = None):
-        self.args = args = args or EngineArgs()
+        args = args or EngineArgs()
+        if args.speculative is not None and args.async_scheduling:
+            logger.info("speculative decoding runs synchronous steps: async scheduling is off")
+            args = replace(args, async_scheduling=False)
+        self.args = args
         self.device = torch.device(args.device)
         self.model_config = ModelConfig.from_hf(model)
         self.dtype = resolve_dtype(args.dtype, self.model_config.hf_dtype, self.device.type)
@@ -48,14 +54,18 @@ class EngineCore:
         if self.layout.num_tokens < self.max_model_len:
             logger.warning("the KV cache holds %d tokens, fewer than max_model_len %d: outputs are capped to fit",
                            self.layout.num_tokens, self.max_model_len)
-        self.runner = ModelRunner(self.model, self.layout, self.device, self.proposer,
-                                  self._cache_specs(self.layout.block_size))
+        self.runner = ModelRunner(self.model, self.layout, self.device, args.deterministic, args.seed,
+                                  self.proposer, self._cache_specs(self.layout.block_size))
         self.kv = KVCacheManager(self.layout.num_blocks, self.layout.block_size, self.layout.num_state_slots,
                                  args.enable_prefix_caching, self.layout.num_snapshot_slots)
         self.scheduler = Scheduler(args.scheduler_config(self.max_model_len), self.kv, self.max_model_len,
                                    replay_tokens=self._replay_tokens(), speculative=self.speculative)
         self.last_result = RunnerOutput()
         self.last_scheduled = SchedulerOutput()
+        # Async scheduling: forwards run in order on one worker thread; `in_flight` is the step submitted
+        # last, whose tokens the next step() call folds in.
+        self._worker = ThreadPoolExecutor(1, thread_name_prefix="deepinfer-forward") if args.async_scheduling else None
+        self.in_flight: tuple[SchedulerOutput, Future] | None = None
 
     def _cache_specs(self, block_size: int):
         """The model's cache tensors, and a draft MTP layer's own when it drafts."""
@@ -137,11 +147,17 @@ class EngineCore:
 
     @property
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished
+        return self.scheduler.has_unfinished or self.in_flight is not None
 
     # --- stepping ------------------------------------------------------------------------------
     def step(self) -> list[Request]:
-        """Run one step; returns every request whose state changed (finished ones included)."""
+        """Run one step; returns every request whose state changed (finished ones included).
+
+        Async: submit this step's forward, then fold in the previous step's tokens while it runs, so the
+        requests returned are those of the previous step (the step's own show up on the next call).
+        """
+        if self._worker is not None:
+            return self._step_async()
         started = time.perf_counter()
         out = self.last_scheduled = self.scheduler.schedule()
         if out.is_empty:
@@ -151,3 +167,38 @@ class EngineCore:
         touched = self.scheduler.update(out, self.last_result)
         self.scheduler.record_step(out, self.last_result, time.perf_counter() - started)
         return touched
+
+    def _step_async(self) -> list[Request]:
+        out = self.scheduler.schedule()
+        previous, self.in_flight = self.in_flight, None
+        if not out.is_empty:
+            self.in_flight = (out, self._worker.submit(self.runner.execute, out))
+        if previous is None:
+            self.last_scheduled, self.last_result = SchedulerOutput(), RunnerOutput()
+            return []
+        self.last_scheduled = previous[0]
+        self.last_result = self._result(previous[1])
+        return self.scheduler.update(previous[0], self.last_result)
+
+    def _result(self, future: Future) -> RunnerOutput:
+        """A failed forward also fails the step queued behind it (its placeholders cannot resolve)."""
+        try:
+            return future.result()
+        except Exception:
+            if self.in_flight is not None:
+                queued, self.in_flight = self.in_flight, None
+                wait([queued[1]])
+                self.last_scheduled = _merged(self.last_scheduled, queued[0])
+            raise
+
+    def shutdown(self) -> None:
+        """Finish the step in flight (its tokens are dropped) and stop the worker thread."""
+        if self._worker is not None:
+            if self.in_flight is not None:
+                wait([self.in_flight[1]])
+                self.in_flight = None
+            self._worker.shutdown()
+
+
+def _merged(a: SchedulerOutput, b: SchedulerOutput) -> SchedulerOutput:
+    return SchedulerOutput(a.scheduled + b.scheduled, a.forks + b.forks, a.fork_children + b.fork_children)

@@ -86,13 +86,27 @@ class Scheduler:
             self._schedule_waiting(out, budget)
         self._schedule_forks(out)
         self._schedule_snapshots(out)
+        if self.config.async_scheduling:
+            self._advance_scheduled(out)
         return out
+
+    def _advance_scheduled(self, out: SchedulerOutput) -> None:
+        """Async: scheduled tokens count as computed at once (steps run in order on one worker, so a later
+        step always sees them) and each sampled token is pending until its step's update."""
+        for s in out.scheduled:
+            s.request.num_computed_tokens += s.num_new_tokens
+            s.request.num_pending += s.samples
+        for child in out.fork_children:
+            child.num_pending += 1
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = self._align(req.num_computed_tokens, min(req.num_tokens - req.num_computed_tokens, budget))
+            if self._awaits_last_token(req):
+                i += 1
+                continue
+            n = self._align(req.num_computed_tokens, min(_scheduled_len(req) - req.num_computed_tokens, budget))
             drafts = self._drafts(req, n, budget)
             if not self._allocate_or_preempt(req, n + len(drafts), out):
                 continue  # req itself was preempted; self.running shrank
@@ -148,6 +162,15 @@ class Scheduler:
         cap = max(req.num_prompt_tokens + req.max_output_tokens, total)
         return self.kv.allocate(req.request_id, min(total + self.lookahead, cap), prefix)
 
+    def _awaits_last_token(self, req: Request) -> bool:
+        """Async: a request whose token in flight is its last by length rules, or that has nothing left to
+        compute until that token arrives, is not scheduled (it finishes or resumes on the update)."""
+        if not req.num_pending:
+            return False
+        n_out = len(req.output_token_ids) + req.num_pending
+        return (n_out >= req.max_output_tokens or _scheduled_len(req) >= self.max_model_len
+                or _scheduled_len(req) <= req.num_computed_tokens)
+
     def _allocate_or_preempt(self, req: Request, n: int, out: SchedulerOutput) -> bool:
         """Allocate for req, preempting the lowest-priority running requests (last first) as needed."""
         while not self._allocate(req, req.num_computed_tokens + n):
@@ -181,6 +204,8 @@ class Scheduler:
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
+            if req.num_pending:
+                return  # preempted with a token in flight: readmitted once it is known
             prefix, start, restore = self._cached_prefix(req)
             n = self._align(start, min(req.num_tokens - start, budget))
             # Without chunked prefill a prompt waits for a budget it fits in; one larger than any budget is chunked.
@@ -241,8 +266,9 @@ class Scheduler:
         bs = self.kv.block_size
         for s in out.scheduled:
             end, req = s.start + s.num_new_tokens, s.request
-            if s.num_drafts or end % bs or end < req.resume_point or not self._caches(req):
-                continue  # not on a boundary, or still replaying (state inexact until the hit point)
+            if s.num_drafts or end % bs or end < req.resume_point or not self._caches(req) or s.placeholder:
+                continue  # not on a boundary, still replaying (state inexact until the hit point), drafts not
+                # verified yet, or async with the block's last token not known yet (its hash cannot be formed)
             req.block_hashes = chain_hashes(req.token_ids(0, end), bs, req.cache_salt, req.block_hashes)
             row = self.kv.claim_snapshot(req.block_hashes[end // bs - 1])
             if row is not None:
@@ -285,27 +311,29 @@ class Scheduler:
         touched = []
         for s in out.scheduled:
             req = s.request
+            before = _known_computed(req)
             accepted = result.accepted_drafts.get(req.request_id, [])
-            rejected = s.draft_token_ids[len(accepted):]
-            self.spec_stats.observe(s.num_drafts, len(accepted))
-            req.num_computed_tokens += s.num_new_tokens - len(rejected)
-            if rejected:
-                self._rolled_back(req, rejected)
-            if req.request_id in result.sampled:
-                self._append_all(req, accepted + [result.sampled[req.request_id]], s.start)
-            elif self._crossed_block(s.start, req.num_computed_tokens):
-                self._cache_computed_blocks(req)
+            if self.config.async_scheduling:  # never with drafts (speculation runs synchronous steps)
+                req.num_pending -= s.samples
+            else:
+                rejected = s.draft_token_ids[len(accepted):]
+                self.spec_stats.observe(s.num_drafts, len(accepted))
+                req.num_computed_tokens += s.num_new_tokens - len(rejected)
+                if rejected:
+                    self._rolled_back(req, rejected)
+            if req.is_finished:
+                continue  # finished (or aborted) while this step was in flight: its token is discarded
+            sampled = result.sampled.get(req.request_id)
+            self._append(req, [] if sampled is None else [*accepted, sampled], before)
             req.spec_token_ids = result.drafts.get(req.request_id, [])
             req.spec_confidence = result.draft_confidence.get(req.request_id)
             touched.append(req)
-        for fork in out.forks:
-            child = self.requests[fork.child_id]
-            self._append(child, result.sampled[child.request_id])
-            touched.append(child)
+        for child in out.fork_children:
+            child.num_pending -= self.config.async_scheduling
+            if not child.is_finished:
+                self._append(child, [result.sampled[child.request_id]], _known_computed(child))
+                touched.append(child)
         return touched
-
-    def _crossed_block(self, start: int, computed: int) -> bool:
-        return start // self.kv.block_size < computed // self.kv.block_size
 
     def _rolled_back(self, req: Request, rejected: list[int]) -> None:
         """Rejected drafts: their positions are no longer computed; blocks past what the request can use
@@ -314,34 +342,27 @@ class Scheduler:
         for listener in self.rejection_listeners:
             listener(req, rejected)
 
-    def _append_all(self, req: Request, tokens: list[int], start: int) -> None:
-        """Append tokens up to the first that stops the request; blocks completed by the tokens that stay
-        become findable before a finish frees them."""
+    def _cache_computed_blocks(self, req: Request) -> None:
+        """Blocks whose every position is computed and known become findable (they include generated tokens)."""
+        full = _known_computed(req) // self.kv.block_size
+        if not self.kv.enable_prefix_caching or full <= 0 or req.status != RequestStatus.RUNNING:
+            return
+        if len(req.block_hashes) < full:
+            req.block_hashes = chain_hashes(req.token_ids(0, full * self.kv.block_size), self.kv.block_size,
+                                            req.cache_salt, req.block_hashes)
+        self.kv.cache_full_blocks(req.request_id, req.block_hashes, full * self.kv.block_size)
+
+    def _append(self, req: Request, tokens: list[int], known_before: int) -> None:
+        """Append sampled tokens (accepted drafts, then the sampled one) up to the first that stops the request;
+        blocks that became full and known are cached before a finish frees them."""
         status = None
         for token in tokens:
             req.output_token_ids.append(token)
             status = stop_status(req, token, self.max_model_len)
             if status is not None:
                 break
-        req.num_computed_tokens = min(req.num_computed_tokens, req.num_tokens - 1)
-        if self._crossed_block(start, req.num_computed_tokens):
+        if known_before // self.kv.block_size < _known_computed(req) // self.kv.block_size:
             self._cache_computed_blocks(req)
-        if status is not None:
-            self.finish(req.request_id, status)
-
-    def _cache_computed_blocks(self, req: Request) -> None:
-        """Blocks whose every position is computed become findable (they include generated tokens)."""
-        full = req.num_computed_tokens // self.kv.block_size
-        if not self.kv.enable_prefix_caching or full <= 0:
-            return
-        if len(req.block_hashes) < full:
-            req.block_hashes = chain_hashes(req.token_ids(0, full * self.kv.block_size), self.kv.block_size,
-                                            req.cache_salt, req.block_hashes)
-        self.kv.cache_full_blocks(req.request_id, req.block_hashes, req.num_computed_tokens)
-
-    def _append(self, req: Request, token: int) -> None:
-        req.output_token_ids.append(token)
-        status = stop_status(req, token, self.max_model_len)
         if status is not None:
             self.finish(req.request_id, status)
 
@@ -369,6 +390,16 @@ def _confidence(req: Request, empirical: list[float]) -> list[float]:
     if req.spec_confidence:
         return req.spec_confidence[:len(req.spec_token_ids)]
     return [empirical[i] if i < len(empirical) else 0.5 for i in range(len(req.spec_token_ids))]
+
+
+def _known_computed(req: Request) -> int:
+    """Positions whose KV is computed (or queued ahead of any reader) and whose token is known."""
+    return min(req.num_computed_tokens, req.num_tokens)
+
+
+def _scheduled_len(req: Request) -> int:
+    """Tokens the request has once its pending (async, in flight) tokens arrive."""
+    return req.num_tokens + req.num_pending
 
 
 def stop_status(req: Request, token: int, max_model_len: int) -> RequestStatus | None:

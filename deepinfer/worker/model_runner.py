@@ -10,10 +10,11 @@ import torch
 
 from deepinfer.engine.kv_cache import ForkCopy
 from deepinfer.engine.outputs import RunnerOutput, ScheduledRequest, SchedulerOutput
+from deepinfer.layers.batch_invariant import forward_per_token, position_seed
 from deepinfer.layers.metadata import CacheTensorSpec, ForwardMeta
 from deepinfer.spec.base import ProposeBatch, ProposeItem, Proposer
 from deepinfer.worker.rejection import verify_greedy, verify_random
-from deepinfer.worker.sampler import Sampler, SamplingBatch, compute_prompt_logprobs
+from deepinfer.worker.sampler import Sampler, SamplingBatch, compute_prompt_logprobs, make_generator
 
 logger = logging.getLogger("deepinfer")
 
@@ -72,8 +73,10 @@ def plan_cache(specs: list[CacheTensorSpec], block_size: int, num_slots: int, bu
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, layout: CacheLayout, device: torch.device,
-                 proposer: Proposer | None = None, specs: list[CacheTensorSpec] | None = None):
+                 deterministic: bool = False, seed: int = 0, proposer: Proposer | None = None,
+                 specs: list[CacheTensorSpec] | None = None):
         self.model, self.layout, self.device = model, layout, device
+        self.deterministic, self.seed = deterministic, seed
         self.proposer = proposer
         self.vocab_size = model.config.vocab_size
         self.eos_token_ids = model.config.eos_token_ids
@@ -81,6 +84,8 @@ class ModelRunner:
         self.cache = {s.name: self._allocate(s) for s in self.specs}
         model.bind_kv_cache(self.cache)
         self.sampler = Sampler()
+        # Tokens sampled by the previous execute: async scheduling's placeholders resolve from here.
+        self.last_sampled: dict[str, int] = {}
 
     def _allocate(self, spec: CacheTensorSpec) -> torch.Tensor:
         rows = self.layout.num_blocks if spec.kind == "paged" else self.layout.state_rows
@@ -91,8 +96,7 @@ class ModelRunner:
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
         meta, sample_rows, prompt_rows = self._prepare(out.scheduled)
         self._copy_state(out.restores)  # a prefix hit's bounded state, before it is read
-        hidden, draft_input = self._forward(meta)
-        logits = self.model.compute_logits(hidden[meta.logits_indices])
+        logits, draft_input = self._logits(meta, [row for _, row in sample_rows] + [row for _, _, row in prompt_rows])
         result = RunnerOutput()
         self._sample(out, logits, sample_rows, result)
         self._prompt_logprobs(logits, prompt_rows, result)
@@ -100,21 +104,26 @@ class ModelRunner:
             self._propose(out, meta, draft_input, result)
         self._copy_state(out.snapshots)  # bounded state at a block boundary, after it is written
         self._apply_forks(out.forks)
+        self.last_sampled = result.sampled
         return result
 
-    def _forward(self, meta: ForwardMeta) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Final hidden states, and the target state the proposer drafts from (if it needs any)."""
+    def _logits(self, meta: ForwardMeta, rows: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Logits of `rows`, and the target state the proposer drafts from (if it needs any)."""
+        if self.deterministic:  # never with speculation (EngineArgs rejects the combination)
+            return forward_per_token(self.model, meta, rows), None
         kind = self.proposer.hidden_kind if self.proposer is not None else ""
         if kind == "mtp":
-            return self.model(meta, return_mtp_input=True)
-        hidden = self.model(meta)
-        return hidden, (hidden if kind == "final" else None)
+            hidden, draft_input = self.model(meta, return_mtp_input=True)
+        else:
+            hidden = self.model(meta)
+            draft_input = hidden if kind == "final" else None
+        return self.model.compute_logits(hidden[meta.logits_indices]), draft_input
 
     def _prepare(self, scheduled: list[ScheduledRequest]):
         ids, positions, token_req, qstart = [], [], [], [0]
         sample_rows, prompt_rows = [], []
         for r, s in enumerate(scheduled):
-            ids += s.request.token_ids(s.start, s.start + s.num_new_tokens - s.num_drafts) + s.draft_token_ids
+            ids += self._input_ids(s)
             positions += range(s.start, s.start + s.num_new_tokens)
             token_req += [r] * s.num_new_tokens
             qstart.append(qstart[-1] + s.num_new_tokens)
@@ -129,6 +138,19 @@ class ModelRunner:
             seq_lens=[s.start + s.num_new_tokens for s in scheduled], block_size=self.layout.block_size,
             paged_write_from=[s.write_from for s in scheduled])
         return meta, sample_rows, prompt_rows
+
+    def _input_ids(self, s: ScheduledRequest) -> list[int]:
+        """The step's input tokens (then its drafts); a placeholder is the token this request sampled in the
+        previous step (async scheduling, which never carries drafts)."""
+        end = s.start + s.num_new_tokens - s.num_drafts
+        if not s.placeholder:
+            return s.request.token_ids(s.start, end) + s.draft_token_ids
+        return s.request.token_ids(s.start, end - 1) + [self.last_sampled[s.request.request_id]]
+
+    def _outputs(self, s: ScheduledRequest) -> list[int]:
+        """Output tokens before the one sampled now (the request's list may still be catching up)."""
+        known = s.request.output_token_ids[:s.num_outputs]
+        return known + [self.last_sampled[s.request.request_id]] if s.placeholder else known
 
     @staticmethod
     def _prompt_logprob_rows(s: ScheduledRequest, first_row: int) -> list[tuple]:
@@ -168,23 +190,39 @@ class ModelRunner:
         drafts = {s.request.request_id: s.draft_token_ids for s in out.scheduled if s.num_drafts}
         if drafts:
             self._verify(logits, sample_rows, drafts, result)
-        first = {}
-        for i, (req, _) in enumerate(sample_rows):
-            first.setdefault(req.request_id, i)
-        parent_pos = {rid: i for rid, i in first.items() if rid not in drafts}
+        by_id = {s.request.request_id: s for s in out.scheduled}
+        parent_pos = {req.request_id: i for i, (req, _) in enumerate(sample_rows) if req.request_id not in drafts}
         requests = [sample_rows[i][0] for i in parent_pos.values()]
         rows = list(parent_pos.values())
+        outputs = [self._outputs(by_id[req.request_id]) for req in requests]
+        positions = [by_id[req.request_id].start + by_id[req.request_id].num_new_tokens for req in requests]
         for fork, child in zip(out.forks, out.fork_children):
             requests.append(child)
             rows.append(parent_pos[fork.parent_id])
+            outputs.append([])
+            positions.append(positions[parent_pos[fork.parent_id]])
         if not requests:
             return
-        batch = SamplingBatch.build(
-            [r.params for r in requests], [r.prompt_token_ids for r in requests],
-            [r.output_token_ids for r in requests], [r.generator for r in requests],
-            self.eos_token_ids, self.vocab_size, self.device)
-        sampled = self.sampler(logits[self._long(rows)], batch)
-        self._record(requests, sampled, result)
+        if self.deterministic:
+            for i, req in enumerate(requests):
+                self._sample_rows([req], logits[rows[i]:rows[i] + 1], [outputs[i]],
+                                  [self._position_generator(req, positions[i])], result)
+            return
+        self._sample_rows(requests, logits[self._long(rows)], outputs, [r.generator for r in requests], result)
+
+    def _sample_rows(self, requests, logits: torch.Tensor, outputs, generators, result: RunnerOutput) -> None:
+        batch = SamplingBatch.build([r.params for r in requests], [r.prompt_token_ids for r in requests], outputs,
+                                    generators, self.eos_token_ids, self.vocab_size, self.device)
+        self._record(requests, self.sampler(logits, batch), result)
+
+    def _position_generator(self, req, position: int) -> torch.Generator | None:
+        """Deterministic mode: the draw for this position comes from (seed, request, position) alone;
+        an unseeded request is keyed by the engine seed and its id."""
+        if req.params.is_greedy:
+            return None
+        seed = self.seed if req.params.seed is None else req.params.seed
+        key = f"{req.request_id if req.params.seed is None else ''}#{req.sample_index}"
+        return make_generator(position_seed(seed, key, position), self.device)
 
     def _verify(self, logits: torch.Tensor, sample_rows: list, drafts: dict[str, list[int]], result: RunnerOutput):
         """Row j of a request with drafts is scored as if drafts[:j] were already in its output (penalties,
