@@ -400,8 +400,11 @@ class EngineArgs:
     num_prefix_snapshots: int = 0  # state rows kept for snapshots (0: 2 x max_num_seqs when snapshots are on)
     scheduling_policy: str = "fcfs"
     load_progress: bool = True
+    grammar_compile_timeout_s: float = 30.0  # a structured-output grammar that takes longer fails its request
 
     def __post_init__(self):
+        if self.grammar_compile_timeout_s <= 0:
+            raise ValueError(f"grammar_compile_timeout_s must be > 0, got {self.grammar_compile_timeout_s}")
         if self.swa_restore not in ("replay", "snapshot", "auto"):
             raise ValueError(f"swa_restore must be replay, snapshot or auto, got {self.swa_restore!r}")
 

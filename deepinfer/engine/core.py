@@ -30,6 +30,8 @@ def load_model(path: str | Path, config: ModelConfig, dtype: torch.dtype, device
 class EngineCore:
     def __init__(self, model: str | Path, args: EngineArgs | None = None):
         self.args = args = args or EngineArgs()
+        self.model_path = Path(model)
+        self.structured = None  # StructuredOutputManager, created with the first constrained request
         self.device = torch.device(args.device)
         self.model_config = ModelConfig.from_hf(model)
         self.dtype = resolve_dtype(args.dtype, self.model_config.hf_dtype, self.device.type)
@@ -86,6 +88,8 @@ class EngineCore:
             req = Request(rid, list(prompt_token_ids), params, max_out, priority=priority,
                           eos_token_ids=self.model_config.eos_token_ids, sample_index=i,
                           fork_of=requests[0] if i else None, cache_salt=cache_salt)
+            if params.structured_outputs is not None:  # each sample advances its own matcher
+                req.grammar = self.structured.request_state(params.structured_outputs)
             requests.append(req)
             self.scheduler.add(req)
         return requests
@@ -106,8 +110,23 @@ class EngineCore:
         if n >= capacity:
             raise ValueError(f"request {request_id}: {n} prompt tokens cannot fit in the KV cache "
                              f"({self.layout.num_tokens} tokens) with room for an output token")
+        if params.structured_outputs is not None:
+            self._structured_manager().validate(params.structured_outputs)
         room = capacity - n  # a request alone always fits, so preemption always makes progress
         return room if params.max_tokens is None else min(params.max_tokens, room)
+
+    def _structured_manager(self):
+        """xgrammar is imported (and the tokenizer loaded) only once a request asks for a constraint."""
+        if self.structured is None:
+            from deepinfer.structured.manager import StructuredOutputManager
+            from deepinfer.tokenizer import Tokenizer
+
+            if not (self.model_path / "tokenizer.json").is_file():
+                raise ValueError("structured outputs need the model's tokenizer.json, which this checkpoint lacks")
+            self.structured = StructuredOutputManager(
+                Tokenizer.from_dir(self.model_path), self.model_config.vocab_size, self.model_config.eos_token_ids,
+                timeout_s=self.args.grammar_compile_timeout_s)
+        return self.structured
 
     def reset_prefix_cache(self) -> None:
         self.kv.reset_prefix_cache()
@@ -122,9 +141,24 @@ class EngineCore:
     # --- stepping ------------------------------------------------------------------------------
     def step(self) -> list[Request]:
         """Run one step; returns every request whose state changed (finished ones included)."""
+        failed = self._fail_grammars()
         out = self.last_scheduled = self.scheduler.schedule()
         if out.is_empty:
             self.last_result = RunnerOutput()
-            return []
+            return failed
+        if self.structured is not None:  # filled on a worker thread while the forward runs
+            sampling = [s.request for s in out.scheduled if s.samples] + out.fork_children
+            out.grammar_bitmask = self.structured.fill_async(sampling)
         self.last_result = self.runner.execute(out)
-        return self.scheduler.update(out, self.last_result)
+        return failed + self.scheduler.update(out, self.last_result)
+
+    def _fail_grammars(self) -> list[Request]:
+        """Waiting requests whose grammar failed to compile (or hit the time limit) finish with an error."""
+        if self.structured is None:
+            return []
+        failed = [r for r in self.scheduler.waiting if r.grammar is not None and r.grammar.ready()
+                  and r.grammar.error is not None]
+        for req in failed:
+            self.scheduler.finish(req.request_id, RequestStatus.FINISHED_ERROR)
+            req.stop_reason = req.grammar.error
+        return failed

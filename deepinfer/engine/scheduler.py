@@ -114,7 +114,9 @@ class Scheduler:
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            req = self.waiting[0]
+            req = self._first_ready()
+            if req is None:
+                return
             prefix, start, restore = self._cached_prefix(req)
             n = self._align(start, min(req.num_tokens - start, budget))
             # Without chunked prefill a prompt waits for a budget it fits in; one larger than any budget is chunked.
@@ -124,11 +126,16 @@ class Scheduler:
             if not self.kv.allocate(req.request_id, start + n, prefix):
                 return
             self._resume_from(req, prefix, start, restore, out)
-            self.waiting.popleft()
+            self.waiting.remove(req)
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             out.scheduled.append(self._scheduled(req, n))
             budget -= n
+
+    def _first_ready(self) -> Request | None:
+        """The first waiting request whose grammar (if any) has compiled; the others keep their place."""
+        return next((r for r in self.waiting if r.grammar is None or (r.grammar.ready() and r.grammar.error is None)),
+                    None)
 
     def _cached_prefix(self, req: Request) -> tuple[list[int], int, int | None]:
         """(cached blocks, first position to compute, snapshot row to restore) for a request about to be
@@ -244,6 +251,8 @@ class Scheduler:
     def _append(self, req: Request, token: int) -> None:
         req.output_token_ids.append(token)
         status = stop_status(req, token, self.max_model_len)
+        if req.grammar is not None:
+            status = grammar_status(req, token, status)
         if status is not None:
             self.finish(req.request_id, status)
 
@@ -264,6 +273,18 @@ class Scheduler:
         self.kv.free(req.request_id)
         req.status = status
         return req
+
+
+def grammar_status(req: Request, token: int, status: RequestStatus | None) -> RequestStatus | None:
+    """Advance the request's matcher by `token`: a finished grammar stops the request; a token the grammar
+    rejects (it was sampled unmasked, a bug) fails it rather than emit invalid output."""
+    if not req.grammar.accept(token):
+        req.stop_reason = f"token {token} violates the {req.grammar.spec.kind} constraint"
+        return RequestStatus.FINISHED_ERROR
+    if status is None and req.grammar.terminated:
+        req.stop_reason = None
+        return RequestStatus.FINISHED_STOPPED
+    return status
 
 
 def stop_status(req: Request, token: int, max_model_len: int) -> RequestStatus | None:

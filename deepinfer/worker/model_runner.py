@@ -162,8 +162,16 @@ class ModelRunner:
             [r.params for r in requests], [r.prompt_token_ids for r in requests],
             [r.output_token_ids for r in requests], [r.generator for r in requests],
             self.eos_token_ids, self.vocab_size, self.device)
+        if out.grammar_bitmask is not None:
+            self._add_grammar(batch, requests, *out.grammar_bitmask.result())
         sampled = self.sampler(logits[self._long(rows)], batch)
         self._record(requests, sampled, result)
+
+    def _add_grammar(self, batch: SamplingBatch, requests: list, request_ids: list[str], bitmask: torch.Tensor):
+        """Row i of `bitmask` constrains request `request_ids[i]`; only those rows are masked."""
+        row_of = {r.request_id: i for i, r in enumerate(requests)}
+        batch.grammar_rows = self._long([row_of[rid] for rid in request_ids])
+        batch.grammar_bitmask = bitmask.to(self.device, non_blocking=True)
 
     @staticmethod
     def _record(requests, sampled, result: RunnerOutput) -> None:
