@@ -1,0 +1,168 @@
+"""Tool calling in DeepSeek's format (V3.1 / V4 chat templates):
+
+    <｜tool▁calls▁begin｜><｜tool▁call▁begin｜>NAME<｜tool▁sep｜>ARGUMENTS-JSON<｜tool▁call▁end｜>...<｜tool▁calls▁end｜>
+
+`tool_setup` checks `tools` / `tool_choice` (400 on bad input) and, for `required` or a named function,
+gives the structural-tag constraint that forces that format with arguments matching each function's
+parameter schema. `parse_tool_calls` / `ToolCallStream` turn model output into OpenAI `tool_calls`.
+
+Invariant (tested): for every way of cutting a text into deltas, the ToolCallStream deltas concatenate to
+the content and the calls of `parse_tool_calls(text)`.
+"""
+
+from __future__ import annotations
+
+import re
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from deepinfer.server.errors import bad_request
+from deepinfer.server.reasoning import _partial_suffix
+
+CALLS_BEGIN, CALLS_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
+CALL_BEGIN, CALL_END, SEP = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>"
+STRUCTURAL_TAG_MODEL = "deepseek_v3_1"  # xgrammar's name for this format
+_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # OpenAI's rule for function names
+
+
+@dataclass
+class ToolSetup:
+    tools: list[dict[str, Any]]  # OpenAI function tools
+    choice: str | dict[str, Any]  # auto | none | required | {"type": "function", "function": {"name": ...}}
+    parallel: bool = True
+
+    @property
+    def active(self) -> bool:
+        """Tools are shown to the model and its output is parsed for calls."""
+        return bool(self.tools) and self.choice != "none"
+
+    @property
+    def forced(self) -> bool:
+        return self.active and self.choice != "auto"
+
+    def constraint(self) -> dict[str, str] | None:
+        """`required` / a named function: a structural tag forcing calls whose arguments follow each schema
+        (at most one whitespace character between JSON tokens, so a model cannot pad its way to max_tokens)."""
+        if not self.forced:
+            return None
+        import xgrammar as xgr
+
+        tag = xgr.get_model_structural_tag(STRUCTURAL_TAG_MODEL, tools=self.tools, tool_choice=self.choice,
+                                           reasoning="disabled", parallel_tool_calls=self.parallel,
+                                           max_whitespace_cnt=1)
+        return {"structural_tag": tag.model_dump_json()}
+
+
+def _check_tool(i: int, tool) -> dict[str, Any]:
+    from deepinfer.structured.backend import check_json_schema
+
+    if tool.type != "function":
+        raise bad_request(f"tools[{i}].type must be 'function', got {tool.type!r}", param="tools")
+    if not _NAME.match(tool.function.name):
+        raise bad_request(f"tools[{i}].function.name must match [A-Za-z0-9_-]{{1,64}}, got {tool.function.name!r}",
+                          param="tools")
+    if tool.function.parameters is not None:
+        try:
+            check_json_schema(tool.function.parameters)
+        except ValueError as e:
+            raise bad_request(f"tools[{i}].function.parameters: {e}", param="tools") from None
+    return tool.model_dump(exclude_none=True)
+
+
+def _check_choice(choice, names: list[str]) -> str | dict[str, Any]:
+    if choice is None:
+        return "auto" if names else "none"
+    if isinstance(choice, str):
+        if choice not in ("auto", "none", "required"):
+            raise bad_request(f"tool_choice must be auto, none, required or a function, got {choice!r}",
+                              param="tool_choice")
+        if choice == "required" and not names:
+            raise bad_request("tool_choice 'required' needs tools", param="tool_choice")
+        return choice
+    name = (choice.get("function") or {}).get("name") if choice.get("type") == "function" else None
+    if not isinstance(name, str):
+        raise bad_request("tool_choice must be {'type': 'function', 'function': {'name': ...}}", param="tool_choice")
+    if name not in names:
+        raise bad_request(f"tool_choice names function {name!r}, which is not among the tools", param="tool_choice")
+    return {"type": "function", "function": {"name": name}}
+
+
+def tool_setup(req) -> ToolSetup:
+    tools = [_check_tool(i, t) for i, t in enumerate(req.tools or [])]
+    names = [t["function"]["name"] for t in tools]
+    if len(set(names)) != len(names):
+        raise bad_request("tool function names must be unique", param="tools")
+    return ToolSetup(tools, _check_choice(req.tool_choice, names), req.parallel_tool_calls)
+
+
+# --- parsing -------------------------------------------------------------------------------------
+@dataclass
+class ParsedCall:
+    name: str | None  # None while the name is still arriving
+    arguments: str
+    complete: bool  # its end marker came
+
+
+def parse_tool_calls(text: str, final: bool = True) -> tuple[str, list[ParsedCall]]:
+    """(content before the tool-call block, calls in it). Not final: text that may be the start of a
+    marker is held back. Text after the block is not content (the format has none)."""
+    head, found, rest = text.partition(CALLS_BEGIN)
+    if not found:
+        return head[: len(head) - (0 if final else _partial_suffix(head, CALLS_BEGIN))], []
+    calls = []
+    for chunk in rest.split(CALLS_END, 1)[0].split(CALL_BEGIN)[1:]:
+        name, sep, args = chunk.partition(SEP)
+        if not sep:
+            calls.append(ParsedCall(None, "", False))
+            continue
+        args, end, _ = args.partition(CALL_END)
+        if not end and not final:
+            args = args[: len(args) - _partial_suffix(args, CALL_END)]
+        calls.append(ParsedCall(name.strip(), args, bool(end)))
+    return head, calls
+
+
+def new_call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+def openai_calls(calls: list[ParsedCall]) -> list[dict[str, Any]]:
+    """Complete calls in OpenAI's shape; arguments are the model's JSON text."""
+    return [{"id": new_call_id(), "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+            for c in calls if c.complete and c.name]
+
+
+@dataclass
+class ToolCallStream:
+    """Incremental parse for streaming: content deltas, then OpenAI tool-call deltas (the first delta of a
+    call carries its id and name; later ones append to its arguments)."""
+
+    text: str = ""
+    content_sent: int = 0
+    sent: list[list] = field(default_factory=list)  # per call: [id, arguments chars sent]
+
+    @property
+    def num_calls(self) -> int:
+        return len(self.sent)
+
+    def feed(self, delta: str, final: bool = False) -> tuple[str, list[dict[str, Any]]]:
+        self.text += delta
+        content, calls = parse_tool_calls(self.text, final)
+        content_delta, self.content_sent = content[self.content_sent:], max(self.content_sent, len(content))
+        deltas = []
+        for i, call in enumerate(calls):
+            if call.name is None:
+                break
+            fresh = i == len(self.sent)
+            if fresh:
+                self.sent.append([new_call_id(), 0])
+            new_args = call.arguments[self.sent[i][1]:]
+            self.sent[i][1] = max(self.sent[i][1], len(call.arguments))
+            if fresh:
+                deltas.append({"index": i, "id": self.sent[i][0], "type": "function",
+                               "function": {"name": call.name, "arguments": new_args}})
+            elif new_args:
+                deltas.append({"index": i, "function": {"arguments": new_args}})
+        return content_delta, deltas
+
