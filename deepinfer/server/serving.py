@@ -473,7 +473,7 @@ class Serving:
     async def _structured_params(self, req, max_tokens: int | None, thinking: bool,
                                  tools: ToolSetup) -> SamplingParams:
         try:
-            forced = tools.constraint()
+            forced = tools.constraint(self.tokenizer)
         except ValueError as e:
             raise bad_request(f"the tools cannot be constrained: {e}", param="tools") from None
         spec = request_spec(req, thinking, forced)

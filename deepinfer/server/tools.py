@@ -12,6 +12,7 @@ the content and the calls of `parse_tool_calls(text)`.
 
 from __future__ import annotations
 
+import json
 import re
 import uuid
 from dataclasses import dataclass, field
@@ -22,7 +23,6 @@ from deepinfer.server.reasoning import _partial_suffix
 
 CALLS_BEGIN, CALLS_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
 CALL_BEGIN, CALL_END, SEP = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>"
-STRUCTURAL_TAG_MODEL = "deepseek_v3_1"  # xgrammar's name for this format
 _NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # OpenAI's rule for function names
 
 
@@ -41,17 +41,32 @@ class ToolSetup:
     def forced(self) -> bool:
         return self.active and self.choice != "auto"
 
-    def constraint(self) -> dict[str, str] | None:
-        """`required` / a named function: a structural tag forcing calls whose arguments follow each schema
-        (at most one whitespace character between JSON tokens, so a model cannot pad its way to max_tokens)."""
+    def constraint(self, tokenizer) -> dict[str, str] | None:
+        """`required` / a named function: a structural tag forcing the call format, with each function's
+        arguments following its parameter schema (at most one whitespace character between JSON tokens,
+        so a model cannot pad its way to max_tokens). Markers are matched as their single tokens, never
+        spelled out in text."""
         if not self.forced:
             return None
-        import xgrammar as xgr
+        ids = {m: tokenizer.token_to_id(m) for m in (CALLS_BEGIN, CALLS_END, CALL_BEGIN, CALL_END, SEP)}
+        if None in ids.values():
+            raise ValueError("this model's tokenizer has no DeepSeek tool-call tokens")
+        token = lambda marker: {"type": "token", "token": ids[marker]}
+        named = self.choice["function"]["name"] if isinstance(self.choice, dict) else None
+        calls = [_call_format(t["function"], token) for t in self.tools if named in (None, t["function"]["name"])]
+        body = calls[0] if len(calls) == 1 else {"type": "or", "elements": calls}
+        if self.parallel and named is None:
+            body = {"type": "plus", "content": body}
+        tag = {"type": "structural_tag", "format": {"type": "sequence", "elements": [
+            token(CALLS_BEGIN), body, token(CALLS_END)]}}
+        return {"structural_tag": json.dumps(tag, ensure_ascii=False)}
 
-        tag = xgr.get_model_structural_tag(STRUCTURAL_TAG_MODEL, tools=self.tools, tool_choice=self.choice,
-                                           reasoning="disabled", parallel_tool_calls=self.parallel,
-                                           max_whitespace_cnt=1)
-        return {"structural_tag": tag.model_dump_json()}
+
+def _call_format(function: dict[str, Any], token) -> dict[str, Any]:
+    schema = function.get("parameters") or {"type": "object"}
+    return {"type": "sequence", "elements": [
+        token(CALL_BEGIN), {"type": "const_string", "value": function["name"]}, token(SEP),
+        {"type": "json_schema", "json_schema": schema, "max_whitespace_cnt": 1}, token(CALL_END)]}
 
 
 def _check_tool(i: int, tool) -> dict[str, Any]:
