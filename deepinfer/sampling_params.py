@@ -118,6 +118,9 @@ class SamplingParams:
         _check(all(_is_int(t) and t >= 0 for t in self.stop_token_ids),
                f"stop_token_ids must be non-negative ints, got {self.stop_token_ids}")
         _check(self.detokenize or not self.stop, "stop strings require detokenize=True")
+        # A finished grammar allows only EOS, which min_tokens would forbid: nothing could be sampled.
+        _check(self.structured_outputs is None or self.min_tokens == 0,
+               "min_tokens cannot be combined with structured_outputs (the grammar decides where the output ends)")
         for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens",
                      "spaces_between_special_tokens", "detokenize"):
             _check(isinstance(getattr(self, name), bool), f"{name} must be a bool")

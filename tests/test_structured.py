@@ -198,6 +198,8 @@ def test_spec_shape_errors():
     with pytest.raises(ValueError, match="unknown structured_outputs"):
         SamplingParams(structured_outputs={"jsn": {}})
     assert SamplingParams(structured_outputs={"regex": "a+"}).structured_outputs == Spec(regex="a+")
+    with pytest.raises(ValueError, match="min_tokens cannot be combined"):
+        SamplingParams(min_tokens=2, structured_outputs=Spec(regex="a+"))
 
 
 def test_compile_time_limit_fails_only_that_request(llm, monkeypatch):

@@ -178,6 +178,7 @@ BAD = [
     ({"tools": [{"type": "function", "function": {"name": "bad name"}}]}, "must match"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": 3}}}]}, "parameters"),
     ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "at most one"),
+    ({"guided_regex": "a+", "min_tokens": 2}, "min_tokens cannot"),
 ]
 
 
