@@ -15,9 +15,9 @@ import json
 from pathlib import Path
 
 import torch
-from offline_throughput import machine_facts
 
 from deepinfer import LLM, SamplingParams
+from deepinfer.bench.machine import machine_facts
 
 RESULTS = Path(__file__).parent / "results"
 PROMPTS = ["def fibonacci(n):", "import os\nimport sys\n\n\ndef main():", "class Stack:\n    def push(self, item):",

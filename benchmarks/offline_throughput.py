@@ -6,6 +6,7 @@ which is float32 on a CPU without native bf16) and for transformers twice: as lo
 (the checkpoint's bf16) and forced to float32 (same arithmetic as deepinfer). Decode at batch 64
 is reported as model-FLOP utilisation against a plain fp32 GEMM measured in the same run
 (2 x active parameters per token), with the share of step time spent outside the model forward.
+The bundled model is compared at batch 16 too (float32 in both engines).
 Writes benchmarks/results/offline_throughput.{json,png}.
 
     python benchmarks/offline_throughput.py            # full run (a few minutes)
@@ -16,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import tempfile
 import time
 from pathlib import Path
@@ -24,6 +24,8 @@ from pathlib import Path
 import torch
 
 from deepinfer import LLM, SamplingParams
+from deepinfer.bench.machine import machine_facts
+from deepinfer.llm import default_model_path
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -148,11 +150,16 @@ def decode_profile(llm: LLM, batch: int, prompt_len: int, steps: int) -> dict:
             "tokens_per_s": batch * steps / elapsed}
 
 
-def machine_facts() -> dict:
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), platform.processor())
-    return {"cpu": cpu, "threads": torch.get_num_threads(), "torch": torch.__version__,
-            "python": platform.python_version()}
+def bundled_comparison(prompt_len: int, new: int) -> dict:
+    """The bundled model at batch 16, float32 in both engines (the precision deepinfer runs on CPU)."""
+    path = default_model_path()
+    hf = transformers_tokens_per_s(path, torch.float32, 16, prompt_len, new)
+    llm = LLM(load_progress=False)
+    deepinfer_tokens_per_s(llm, 16, prompt_len, 4)  # warm-up
+    ours = deepinfer_tokens_per_s(llm, 16, prompt_len, new)
+    params = sum(p.numel() for p in llm.engine.model.parameters()) / 1e6
+    return {"params_m": params, "transformers_fp32_bs16_tok_s": hf, "deepinfer_bs16_tok_s": ours,
+            "speedup_vs_fp32": ours / hf}
 
 
 def plot(result: dict, path: Path) -> None:
@@ -161,7 +168,7 @@ def plot(result: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
+    fig, (a, b, c) = plt.subplots(1, 3, figsize=(14, 4))
     names = ["transformers\nbf16", "deepinfer\nbf16", "transformers\nfp32", "deepinfer\nfp32",
              "deepinfer bf16\nbatch 64 decode"]
     values = [result["transformers_default_bs16_tok_s"], result["deepinfer_bf16_bs16_tok_s"],
@@ -180,8 +187,14 @@ def plot(result: dict, path: Path) -> None:
     b.axhline(0.15, ls=":", c="#a72", lw=1)
     b.set_ylim(0, 1)
     b.set_title("batch 64 decode (targets dashed)")
-    fig.suptitle(f"{result['model']['params_m']:.0f}M-param V4 ({result['model']['active_m']:.0f}M active), "
-                 f"{result['machine']['cpu']}, {result['machine']['threads']} threads", fontsize=9)
+    bundled = result["bundled"]
+    c.bar(["transformers\nfp32", "deepinfer\nfp32"],
+          [bundled["transformers_fp32_bs16_tok_s"], bundled["deepinfer_bs16_tok_s"]], color=["#888", "#2a7"])
+    c.set_ylabel("output tokens / s (batch 16)")
+    c.set_title(f"bundled {bundled['params_m']:.0f}M model: {bundled['speedup_vs_fp32']:.2f}x transformers",
+                fontsize=9)
+    fig.suptitle(f"left two: {result['model']['params_m']:.0f}M-param V4 ({result['model']['active_m']:.0f}M active), "
+                 f"{result['machine']['cpu']}, {result['machine']['torch_threads']} threads", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -215,6 +228,9 @@ def main() -> None:
         deepinfer_tokens_per_s(llm_bf16, 16, prompt_len, 4)
         ours_bf16 = deepinfer_tokens_per_s(llm_bf16, 16, prompt_len, new)
         decode_bf16 = decode_profile(llm_bf16, 64, prompt_len, steps)
+        del llm_bf16
+    print("the bundled model: transformers and deepinfer (float32), batch 16 ...", flush=True)
+    bundled = bundled_comparison(prompt_len, new)
     active = active_parameters(model)
     decode["mfu"] = decode["tokens_per_s"] * 2 * active / peak
     decode_bf16["mfu"] = decode_bf16["tokens_per_s"] * 2 * active / peak_bf16
@@ -228,7 +244,7 @@ def main() -> None:
         "deepinfer_bs16_tok_s": ours, "speedup_vs_default": ours / hf_default, "speedup_vs_fp32": ours / hf_fp32,
         "decode_bs64": decode,
         "deepinfer_bf16_bs16_tok_s": ours_bf16, "speedup_bf16_vs_default": ours_bf16 / hf_default,
-        "decode_bs64_bf16": decode_bf16,
+        "decode_bs64_bf16": decode_bf16, "bundled": bundled,
     }
     (args.out / "offline_throughput.json").write_text(json.dumps(result, indent=2))
     plot(result, args.out / "offline_throughput.png")

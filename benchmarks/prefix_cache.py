@@ -18,9 +18,9 @@ import time
 from pathlib import Path
 
 import torch
-from offline_throughput import machine_facts
 
 from deepinfer import LLM, SamplingParams
+from deepinfer.bench.machine import machine_facts
 
 RESULTS = Path(__file__).parent / "results"
 ONE_TOKEN = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)

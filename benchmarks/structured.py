@@ -19,10 +19,10 @@ import statistics
 import time
 from pathlib import Path
 
-from offline_throughput import machine_facts
 from tqdm.auto import tqdm
 
 from deepinfer import LLM, SamplingParams
+from deepinfer.bench.machine import machine_facts
 from deepinfer.structured import StructuredOutputsParams
 
 RESULTS = Path(__file__).parent / "results"

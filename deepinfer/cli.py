@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import importlib
 import json
 import sys
 import typing
@@ -292,21 +293,33 @@ def _add_serve_parser(commands) -> None:
     sub.set_defaults(handler=run_serve)
 
 
-# --- bench -------------------------------------------------------------------------------------
-def run_bench_serve(args: argparse.Namespace) -> int:
-    from deepinfer.bench.serve import main_serve  # httpx, tqdm and matplotlib load only for `bench`
+# --- bench ---------------------------------------------------------------------------------------
+# module, entry point, argument adder, help; modules load only for `bench` (httpx, matplotlib, ...)
+_BENCH_COMMANDS = {
+    "serve": ("serve", "main_serve", "add_serve_args", "load-test a running OpenAI-compatible server"),
+    "sweep": ("sweep", "main_sweep", "add_sweep_args", "`bench serve` over concurrencies or rates, with plots"),
+    "plot": ("sweep", "main_plot", "add_plot_args", "draw several sweep results (engines) on one plot"),
+    "throughput": ("offline", "main_throughput", "add_throughput_args", "offline batch throughput (LLM API)"),
+    "latency": ("offline", "main_latency", "add_latency_args", "prefill and per-token decode latency"),
+}
 
-    return main_serve(args)
+
+def _bench_entry(module: str, entry: str):
+    def run(args: argparse.Namespace) -> int:
+        return getattr(importlib.import_module(f"deepinfer.bench.{module}"), entry)(args)
+
+    return run
 
 
 def _add_bench_parser(commands) -> None:
-    from deepinfer.bench.serve import add_serve_args
-
-    bench = commands.add_parser("bench", help="benchmarks (see `deepinfer bench serve --help`)")
+    bench = commands.add_parser("bench", help="benchmarks (see `deepinfer bench --help`)")
     sub_commands = bench.add_subparsers(dest="bench_command", required=True, metavar="BENCH")
-    sub = sub_commands.add_parser("serve", help="load-test a running OpenAI-compatible server")
-    add_serve_args(sub)
-    sub.set_defaults(handler=run_bench_serve)
+    for name, (module, entry, adder, help_text) in _BENCH_COMMANDS.items():
+        sub = sub_commands.add_parser(name, help=help_text)
+        getattr(importlib.import_module(f"deepinfer.bench.{module}"), adder)(sub)
+        if module == "offline":
+            add_engine_args(sub)
+        sub.set_defaults(handler=_bench_entry(module, entry))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -12,6 +12,9 @@ Definitions (all per-request times are seconds in ``RequestRecord``; reported st
   As in vLLM, a request without a TPOT counts as TPOT 0, so it meets any TPOT SLO vacuously.
 * Peak concurrency: max overlap of the half-open intervals ``[start, start + latency)`` of all records
   (failed ones too: they held a server slot until they failed).
+* Speculative decoding (when the server exports vLLM-named counters): mean accepted length =
+  ``1 + accepted / drafts`` (tokens a request gains per verify step, bonus token included), acceptance rate =
+  ``accepted / draft tokens``, per-position acceptance = ``accepted at position i / drafts``.
 """
 
 from __future__ import annotations
@@ -109,6 +112,46 @@ def peak_concurrency(records: Iterable[RequestRecord]) -> int:
     return peak
 
 
+SPEC_COUNTERS = ("spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens")
+SPEC_PER_POSITION = "spec_decode_num_accepted_tokens_per_pos"
+
+
+@dataclass(frozen=True)
+class SpecDecodeStats:
+    """Speculative-decoding counters accumulated during one run (differences of server counters)."""
+
+    drafts: int
+    draft_tokens: int
+    accepted_tokens: int
+    accepted_per_position: tuple[int, ...]
+
+    @property
+    def mean_accepted_length(self) -> float:
+        return 1.0 + self.accepted_tokens / self.drafts if self.drafts else 1.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
+
+    def per_position_acceptance(self) -> list[float]:
+        return [a / self.drafts if self.drafts else 0.0 for a in self.accepted_per_position]
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "mean_accepted_length": self.mean_accepted_length,
+                "acceptance_rate": self.acceptance_rate, "per_position_acceptance": self.per_position_acceptance()}
+
+
+def spec_decode_delta(before: dict[str, float], after: dict[str, float]) -> SpecDecodeStats | None:
+    """Stats from two counter snapshots (``name`` or ``SPEC_PER_POSITION:i`` -> value); None without drafts."""
+    diff = {k: after[k] - before.get(k, 0.0) for k in after}
+    if diff.get(SPEC_COUNTERS[0], 0) <= 0:
+        return None
+    positions = sorted(int(k.split(":", 1)[1]) for k in diff if k.startswith(SPEC_PER_POSITION + ":"))
+    per_pos = tuple(int(diff[f"{SPEC_PER_POSITION}:{i}"]) for i in positions)
+    drafts, tokens, accepted = (int(diff.get(k, 0)) for k in SPEC_COUNTERS)
+    return SpecDecodeStats(drafts, tokens, accepted, per_pos)
+
+
 def cost_per_million_output_tokens(price_per_hour: float | None, duration_s: float, output_tokens: int) -> float | None:
     """Machine cost of the run divided over its output tokens, per 1e6 tokens; None if undefined."""
     if price_per_hour is None or output_tokens <= 0:
@@ -137,10 +180,12 @@ class BenchSummary:
     peak_concurrency: int
     price_per_hour: float | None
     cost_per_million_output_tokens: float | None
+    spec_decode: SpecDecodeStats | None = None
 
     def to_dict(self) -> dict:
-        out = {k: v for k, v in self.__dict__.items() if not isinstance(v, LatencyStats)}
-        out.update({k: v.to_dict() for k, v in self.__dict__.items() if isinstance(v, LatencyStats)})
+        nested = (LatencyStats, SpecDecodeStats)
+        out = {k: v for k, v in self.__dict__.items() if not isinstance(v, nested)}
+        out.update({k: v.to_dict() for k, v in self.__dict__.items() if isinstance(v, nested)})
         return out
 
     def format_table(self) -> str:
@@ -176,7 +221,16 @@ def _headline_rows(s: BenchSummary) -> list[tuple[str, str]]:
         rows.append(("Request goodput (req/s)", _fmt(s.request_goodput)))
     if s.price_per_hour is not None:
         rows.append(("Cost per 1M output tokens", _fmt(s.cost_per_million_output_tokens)))
+    if s.spec_decode is not None:
+        rows += _spec_rows(s.spec_decode)
     return rows
+
+
+def _spec_rows(spec: SpecDecodeStats) -> list[tuple[str, str]]:
+    rows = [("Spec decode mean accepted length", _fmt(spec.mean_accepted_length)),
+            ("Spec decode acceptance rate", _fmt(spec.acceptance_rate))]
+    return rows + [(f"Spec decode acceptance, position {i}", _fmt(r))
+                   for i, r in enumerate(spec.per_position_acceptance())]
 
 
 def _stats_rows(name: str, st: LatencyStats) -> list[tuple[str, str]]:

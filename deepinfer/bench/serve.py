@@ -1,15 +1,17 @@
 """`deepinfer bench serve`: load-test a running OpenAI-compatible server (vLLM-style serving benchmark).
 
 Each request is sent at its arrival offset (``datasets.arrival_times``), at most ``max_concurrency`` at a time,
-as a streaming request with ``ignore_eos`` and temperature 0, so every request generates exactly its
-``output_len`` tokens. Timing follows ``deepinfer.bench.metrics``: TTFT is the first chunk carrying output,
-every later output chunk adds one ITL gap (a chunk may carry several tokens, so a request can have fewer
-than ``output_tokens - 1`` gaps), and token counts come from the final ``usage`` chunk.
+as a streaming request with temperature 0 and (unless ``--no-ignore-eos``) ``ignore_eos``, so every request
+generates exactly its ``output_len`` tokens. Timing follows ``deepinfer.bench.metrics``: TTFT is the first
+chunk carrying output, every later output chunk adds one ITL gap (a chunk may carry several tokens, so a
+request can have fewer than ``output_tokens - 1`` gaps), and token counts come from the final ``usage`` chunk.
 
 Random and shared-prefix prompts are token ids drawn from ``[0, --vocab-size)``; the server's vocabulary
 size is not exposed by the API, so the default 256 is deliberately small (safe for any model, including
 the tiny test models) and should be raised to the real vocabulary for realistic prompts.
-The chat endpoint needs text, so it (and ``--dataset sharegpt``) needs ``--tokenizer``.
+The chat endpoint needs text, so it (and ``--dataset sharegpt`` and ``--prompt-format text``, which sends
+completions prompts as text for servers that take no token ids) needs ``--tokenizer``. When the server exports
+vLLM-named speculative-decoding counters at ``/metrics``, the run's accepted length is reported too.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import json
 import math
 import time
@@ -34,21 +37,34 @@ from deepinfer.bench.datasets import (
     shared_prefix_requests,
     sharegpt_requests,
 )
-from deepinfer.bench.metrics import SLO_KEYS, BenchSummary, RequestRecord, summarize, tpot
+from deepinfer.bench.machine import machine_facts
+from deepinfer.bench.metrics import (
+    SLO_KEYS,
+    SPEC_COUNTERS,
+    SPEC_PER_POSITION,
+    BenchSummary,
+    RequestRecord,
+    spec_decode_delta,
+    summarize,
+    tpot,
+)
 
 ENDPOINT_PATHS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
 DEFAULT_BASE_URL = "http://127.0.0.1:8000"
 
 
 # --- one request ---------------------------------------------------------------------------------
-def build_payload(model: str, endpoint: str, request: BenchRequest, text: str | None) -> dict:
-    """The JSON body of one streaming, greedy, fixed-length request."""
-    body = {"model": model, "max_tokens": request.output_len, "temperature": 0, "ignore_eos": True,
+def build_payload(model: str, endpoint: str, request: BenchRequest, text: str | None, ignore_eos: bool = True) -> dict:
+    """The JSON body of one streaming, greedy request (fixed-length with ``ignore_eos``, a vLLM extension that
+    some servers reject). A completions prompt is sent as ``text`` when given, else as token ids."""
+    body = {"model": model, "max_tokens": request.output_len, "temperature": 0,
             "stream": True, "stream_options": {"include_usage": True}}
+    if ignore_eos:
+        body["ignore_eos"] = True
     if endpoint == "chat":
         body["messages"] = [{"role": "user", "content": text}]
     else:
-        body["prompt"] = list(request.prompt_token_ids)
+        body["prompt"] = text if text is not None else list(request.prompt_token_ids)
     return body
 
 
@@ -140,6 +156,7 @@ async def run_benchmark(
     timeout_s: float = 600.0,
     prompt_text: Sequence[str] | None = None,
     progress: bool = True,
+    ignore_eos: bool = True,
 ) -> tuple[list[RequestRecord], float]:
     """Send every request at its arrival offset; returns the records (in request order) and the duration (s)."""
     _check_inputs(endpoint, requests, arrivals, prompt_text)
@@ -153,7 +170,8 @@ async def run_benchmark(
 
         async def one(i: int) -> RequestRecord:
             await asyncio.sleep(max(0.0, start + arrivals[i] - time.perf_counter()))
-            payload = build_payload(model, endpoint, requests[i], prompt_text[i] if prompt_text else None)
+            text = prompt_text[i] if prompt_text else None
+            payload = build_payload(model, endpoint, requests[i], text, ignore_eos)
             async with sem or contextlib.nullcontext():
                 record = await send_request(client, url, payload, start)
             bar.update(1)
@@ -163,6 +181,36 @@ async def run_benchmark(
         duration = time.perf_counter() - start
     bar.close()
     return list(records), duration
+
+
+def scrape_spec_counters(base_url: str, api_key: str | None) -> dict[str, float]:
+    """Speculative-decoding counters from the server's Prometheus ``/metrics`` ({} when it exports none)."""
+    try:
+        response = httpx.get(base_url.rstrip("/") + "/metrics", headers=_headers(api_key), timeout=10,
+                             trust_env=False)
+    except httpx.HTTPError:
+        return {}
+    return spec_counter_samples(response.text) if response.status_code == 200 else {}
+
+
+def spec_counter_samples(text: str) -> dict[str, float]:
+    """``name`` / ``SPEC_PER_POSITION:i`` -> value, summed over other labels; any name prefix (``vllm:``,
+    ``deepinfer:``) and the ``_total`` suffix are ignored, so either engine's counters are read."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict[str, float] = {}
+    try:
+        samples = [s for family in text_string_to_metric_families(text) for s in family.samples]
+    except ValueError:
+        return {}
+    for sample in samples:
+        name = sample.name.rsplit(":", 1)[-1].removesuffix("_total")
+        if name == SPEC_PER_POSITION:
+            name = f"{name}:{sample.labels.get('position', '0')}"
+        elif name not in SPEC_COUNTERS:
+            continue
+        out[name] = out.get(name, 0.0) + sample.value
+    return out
 
 
 # --- option parsing ------------------------------------------------------------------------------
@@ -204,7 +252,7 @@ def fetch_model(base_url: str, api_key: str | None) -> str:
 
 
 # --- datasets ------------------------------------------------------------------------------------
-def _load_tokenizer(path: str | None):
+def load_tokenizer(path: str | None):
     if path is None:
         return None
     from deepinfer.tokenizer import Tokenizer
@@ -231,17 +279,19 @@ def build_requests(args: argparse.Namespace, n: int, tokenizer) -> list[BenchReq
     return sharegpt_requests(args.dataset_path, n, args.seed, tokenizer.encode)
 
 
-def _texts(tokenizer, requests: Sequence[BenchRequest], endpoint: str) -> list[str] | None:
-    if endpoint != "chat":
+def _texts(tokenizer, requests: Sequence[BenchRequest], args: argparse.Namespace) -> list[str] | None:
+    """Prompt texts for the chat endpoint and for ``--prompt-format text``; None sends token ids."""
+    if args.endpoint != "chat" and args.prompt_format != "text":
         return None
     if tokenizer is None:
-        raise ValueError("--endpoint chat needs --tokenizer (prompts are sent as text)")
+        raise ValueError("--endpoint chat and --prompt-format text need --tokenizer (prompts are sent as text)")
     return [tokenizer.decode(r.prompt_token_ids) for r in requests]
 
 
 # --- outputs -------------------------------------------------------------------------------------
 def write_result_json(path: str, summary: BenchSummary, records: Sequence[RequestRecord], config: dict) -> None:
-    out = {"config": config, "summary": summary.to_dict(), "requests": [asdict(r) for r in records]}
+    out = {"config": config, "machine": machine_facts(), "summary": summary.to_dict(),
+           "requests": [asdict(r) for r in records]}
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     Path(path).write_text(json.dumps(out, indent=2), encoding="utf-8")
 
@@ -291,20 +341,23 @@ def _draw(ax, name: str, values: list[float]) -> None:
 def _run(args, model, requests, arrivals, texts) -> tuple[list[RequestRecord], float]:
     return asyncio.run(run_benchmark(args.base_url, model, args.endpoint, requests, arrivals,
                                      args.max_concurrency, args.api_key, args.timeout, texts,
-                                     progress=not args.no_progress))
+                                     progress=not args.no_progress, ignore_eos=args.ignore_eos))
 
 
 def _warmup(args, model, requests, tokenizer) -> None:
     if args.warmup <= 0 or not requests:
         return
     warm = [requests[i % len(requests)] for i in range(args.warmup)]
-    records, _ = _run(args, model, warm, [0.0] * len(warm), _texts(tokenizer, warm, args.endpoint))
+    records, _ = _run(args, model, warm, [0.0] * len(warm), _texts(tokenizer, warm, args))
     failed = [r.error for r in records if not r.success]
     if failed:
         raise ValueError(f"{len(failed)} warm-up request(s) failed, first: {failed[0]}")
 
 
-def _check_args(args: argparse.Namespace) -> None:
+def check_serve_args(args: argparse.Namespace) -> None:
+    """Option values argparse cannot check on its own; raises ValueError naming the bad one."""
+    parse_goodput(args.goodput)
+    parse_percentiles(args.percentiles)
     if args.num_prompts < 1:
         raise ValueError(f"--num-prompts must be >= 1, got {args.num_prompts}")
     if args.max_concurrency is not None and args.max_concurrency < 1:
@@ -313,29 +366,37 @@ def _check_args(args: argparse.Namespace) -> None:
         raise ValueError("--vocab-size and --num-groups must be >= 1, --warmup >= 0")
 
 
-def main_serve(args: argparse.Namespace) -> int:
-    """`deepinfer bench serve`: run the benchmark, print the summary table, write the optional outputs."""
-    _check_args(args)
+def run_serve_point(args: argparse.Namespace, model: str, tokenizer) -> tuple[BenchSummary, list[RequestRecord]]:
+    """One benchmark run with the options in ``args`` (warm-up excluded); the summary and every record."""
     goodput, percentiles = parse_goodput(args.goodput), parse_percentiles(args.percentiles)
-    tokenizer = _load_tokenizer(args.tokenizer)
-    model = args.model or fetch_model(args.base_url, args.api_key)
     requests = build_requests(args, args.num_prompts, tokenizer)
     if not requests:
         raise ValueError("the dataset produced no requests")
     arrivals = arrival_times(len(requests), args.request_rate, args.burstiness, seed=args.seed)
-    texts = _texts(tokenizer, requests, args.endpoint)
+    texts = _texts(tokenizer, requests, args)
     _warmup(args, model, requests, tokenizer)
+    before = scrape_spec_counters(args.base_url, args.api_key)
     records, duration = _run(args, model, requests, arrivals, texts)
+    spec = spec_decode_delta(before, scrape_spec_counters(args.base_url, args.api_key))
     summary = summarize(records, duration, percentiles, goodput, args.price_per_hour)
+    return dataclasses.replace(summary, spec_decode=spec), records
+
+
+def main_serve(args: argparse.Namespace) -> int:
+    """`deepinfer bench serve`: run the benchmark, print the summary table, write the optional outputs."""
+    check_serve_args(args)
+    tokenizer = load_tokenizer(args.tokenizer)
+    model = args.model or fetch_model(args.base_url, args.api_key)
+    summary, records = run_serve_point(args, model, tokenizer)
     print(summary.format_table(), flush=True)
     if args.result_json:
-        write_result_json(args.result_json, summary, records, _config(args, model))
+        write_result_json(args.result_json, summary, records, run_config(args, model))
     if args.plot:
         write_plots(args.plot, records)
     return 0
 
 
-def _config(args: argparse.Namespace, model: str) -> dict:
+def run_config(args: argparse.Namespace, model: str) -> dict:
     skip = {"handler", "api_key", "command", "bench_command"}
     config = {k: v for k, v in vars(args).items() if k not in skip}
     config["model"] = model
@@ -343,18 +404,23 @@ def _config(args: argparse.Namespace, model: str) -> dict:
     return config
 
 
-def add_serve_args(sub: argparse.ArgumentParser) -> None:
-    """The options of `deepinfer bench serve`."""
+def add_serve_args(sub: argparse.ArgumentParser, run_outputs: bool = True) -> None:
+    """The options of `deepinfer bench serve` (`run_outputs`: with --result-json and --plot)."""
     sub.add_argument("--base-url", default=DEFAULT_BASE_URL, help="server root URL (default: %(default)s)")
     sub.add_argument("--model", help="model name to request (default: the first id of GET /v1/models)")
     sub.add_argument("--endpoint", choices=sorted(ENDPOINT_PATHS), default="completions",
                      help="completions sends token ids; chat sends text and needs --tokenizer (default: %(default)s)")
     sub.add_argument("--api-key", help="sent as `Authorization: Bearer KEY`")
     sub.add_argument("--tokenizer", metavar="PATH", help="tokenizer directory (for sharegpt and chat)")
+    sub.add_argument("--prompt-format", choices=("ids", "text"), default="ids",
+                     help="completions prompts as token ids or as text decoded with --tokenizer (for servers that "
+                          "take only text, e.g. `transformers serve`; default: %(default)s)")
+    sub.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
+                     help="ask for exactly --random-output-len tokens (a vLLM extension; default: on)")
     sub.add_argument("--timeout", type=float, default=600.0, help="per-request timeout in s (default: %(default)s)")
     _add_dataset_args(sub)
     _add_load_args(sub)
-    _add_report_args(sub)
+    _add_report_args(sub, run_outputs)
 
 
 def _add_dataset_args(sub: argparse.ArgumentParser) -> None:
@@ -382,11 +448,12 @@ def _add_load_args(sub: argparse.ArgumentParser) -> None:
     g.add_argument("--warmup", type=int, default=0, help="requests sent first and left out of the results")
 
 
-def _add_report_args(sub: argparse.ArgumentParser) -> None:
+def _add_report_args(sub: argparse.ArgumentParser, run_outputs: bool) -> None:
     g = sub.add_argument_group("report")
     g.add_argument("--goodput", nargs="+", metavar="KEY:MS", help="SLOs, e.g. ttft:500 tpot:50 e2el:2000")
     g.add_argument("--price-per-hour", type=float, help="machine price; reports cost per 1M output tokens")
     g.add_argument("--percentiles", default="50,95,99", help="comma-separated (default: %(default)s)")
-    g.add_argument("--result-json", metavar="PATH", help="write the summary and every request record here")
-    g.add_argument("--plot", metavar="DIR", help="write TTFT/TPOT CDF and ITL histogram PNGs here")
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
+    if run_outputs:
+        g.add_argument("--result-json", metavar="PATH", help="write the summary and every request record here")
+        g.add_argument("--plot", metavar="DIR", help="write TTFT/TPOT CDF and ITL histogram PNGs here")

@@ -1,0 +1,39 @@
+"""Facts about the machine a benchmark ran on, recorded next to every result."""
+
+from __future__ import annotations
+
+import os
+import platform
+from pathlib import Path
+
+import torch
+
+from deepinfer import __version__
+
+
+def cpu_model() -> str:
+    """The CPU's marketing name from /proc/cpuinfo where there is one, else what `platform` knows."""
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.exists():
+        for line in cpuinfo.read_text(errors="replace").splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return platform.processor() or platform.machine()
+
+
+def machine_facts() -> dict:
+    """CPU, cores, memory, accelerator and software versions, as a JSON-ready dict."""
+    facts = {
+        "cpu": cpu_model(),
+        "logical_cores": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "deepinfer": __version__,
+        "python": platform.python_version(),
+        "os": f"{platform.system()} {platform.release()}",
+    }
+    if hasattr(os, "sysconf") and "SC_PHYS_PAGES" in os.sysconf_names:
+        facts["memory_gib"] = round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)
+    if torch.cuda.is_available():
+        facts["accelerator"] = torch.cuda.get_device_name(0)
+    return facts
