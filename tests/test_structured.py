@@ -177,6 +177,31 @@ def test_reasoning_is_unconstrained_until_think_ends(llm):
             assert re.fullmatch("[0-9]", llm.get_tokenizer().decode(g.outputs[0].token_ids[cut:]))
 
 
+def test_constraint_applies_after_a_generated_think_end(llm, monkeypatch):
+    """The bundled model never closes its reasoning by itself, so the 4th sampled token is forced to be
+    `</think>` (by its logit); everything after it must follow the schema, everything before is free."""
+    tok = llm.get_tokenizer()
+    think_end = tok.token_to_id("</think>")
+    original, calls = llm.engine.model.compute_logits, []
+
+    def forced(hidden):
+        logits = original(hidden)
+        calls.append(1)
+        if len(calls) == 4:
+            logits[:, think_end] = 1e4
+        return logits
+
+    monkeypatch.setattr(llm.engine.model, "compute_logits", forced)
+    prompt = tok.apply_chat_template([{"role": "user", "content": "Think, then answer in JSON"}], thinking=True)
+    spec = Spec(json=SCHEMA, after_reasoning=True)
+    (out,) = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=64, structured_outputs=spec),
+                          use_tqdm=False)
+    ids = out.outputs[0].token_ids
+    assert ids.index(think_end) == 3 and out.outputs[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(tok.decode(ids[4:])), SCHEMA)
+    assert not tok.decode(ids[:3]).startswith('{"')  # the reasoning was not constrained
+
+
 @pytest.mark.parametrize("spec, reason", [
     (dict(json={"type": "objekt"}), "invalid JSON schema"),
     (dict(json='{"type": '), "not valid JSON"),

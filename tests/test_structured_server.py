@@ -145,6 +145,16 @@ def test_response_formats(client):
         assert isinstance(json.loads(r.choices[0].message.content), dict)
 
 
+def test_thinking_mode_leaves_the_reasoning_unconstrained(client):
+    """The bundled model does not close its reasoning within 24 tokens: the reasoning is free text and the
+    JSON constraint (which applies after `</think>`) has not started."""
+    r = _chat(client, "Think about it", response_format={"type": "json_object"}, max_tokens=24, temperature=0.0,
+              extra_body={"chat_template_kwargs": {"thinking": True}})
+    message = r.choices[0].message
+    assert r.choices[0].finish_reason == "length" and message.content is None
+    assert message.reasoning_content and not message.reasoning_content.startswith("{")
+
+
 def test_completions_regex_choice_and_guided_json(client):
     for i in range(3):
         r = client.completions.create(model="m", prompt=f"def f{i}(", max_tokens=24, temperature=0.9, seed=i,
