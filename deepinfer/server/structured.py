@@ -57,15 +57,19 @@ def request_spec(req, thinking: bool, tool_spec: dict | None = None) -> Structur
         raise bad_request(str(e), param=name) from None
 
 
+def _build(spec: StructuredOutputsParams) -> None:
+    from deepinfer.structured.backend import build_grammar  # xgrammar loads with the first constraint, off the loop
+
+    build_grammar(spec)
+
+
 async def check_spec(spec: StructuredOutputsParams | None, timeout_s: float, param: str | None = None) -> None:
     """Builds the grammar in a worker thread: a bad schema / regex / grammar, or one that does not build
     within `timeout_s`, is a 400 with the reason."""
     if spec is None:
         return
-    from deepinfer.structured.backend import build_grammar  # xgrammar loads with the first constraint
-
     try:
-        await asyncio.wait_for(asyncio.to_thread(build_grammar, spec), timeout_s)
+        await asyncio.wait_for(asyncio.to_thread(_build, spec), timeout_s)
     except ValueError as e:
         raise bad_request(str(e), param=param) from None
     except asyncio.TimeoutError:

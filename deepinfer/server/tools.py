@@ -20,6 +20,7 @@ from typing import Any
 
 from deepinfer.server.errors import bad_request
 from deepinfer.server.reasoning import _partial_suffix
+from deepinfer.structured.params import check_json_schema
 
 CALLS_BEGIN, CALLS_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
 CALL_BEGIN, CALL_END, SEP = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>"
@@ -70,8 +71,6 @@ def _call_format(function: dict[str, Any], token) -> dict[str, Any]:
 
 
 def _check_tool(i: int, tool) -> dict[str, Any]:
-    from deepinfer.structured.backend import check_json_schema
-
     if tool.type != "function":
         raise bad_request(f"tools[{i}].type must be 'function', got {tool.type!r}", param="tools")
     if not _NAME.match(tool.function.name):

@@ -6,11 +6,10 @@ from __future__ import annotations
 import json
 import re
 
-import jsonschema
 import torch
 import xgrammar as xgr
 
-from deepinfer.structured.params import StructuredOutputsParams
+from deepinfer.structured.params import StructuredOutputsParams, check_json_schema
 
 _CPP_PREFIX = re.compile(r"^\[[\d:]+\]\s+\S+:\d+:\s*")
 
@@ -44,13 +43,6 @@ def tokenizer_info(tokenizer, vocab_size: int, stop_token_ids: list[int]) -> xgr
 
 
 # --- spec -> grammar (tokenizer-independent; this is where bad input is caught) ---------------------
-def check_json_schema(schema) -> None:
-    try:
-        jsonschema.validators.validator_for(schema).check_schema(schema)
-    except jsonschema.SchemaError as e:
-        raise ValueError(f"invalid JSON schema: {e.message}") from None
-
-
 def _json_grammar(schema) -> xgr.Grammar:
     check_json_schema(schema)
     return xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False, strict_mode=True)

@@ -14,6 +14,16 @@ from typing import Any
 KINDS = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
 
 
+def check_json_schema(schema: Any) -> None:
+    """ValueError naming the problem when `schema` is not a valid JSON schema (by its meta-schema)."""
+    import jsonschema  # only requests with a schema pay for the import
+
+    try:
+        jsonschema.validators.validator_for(schema).check_schema(schema)
+    except jsonschema.SchemaError as e:
+        raise ValueError(f"invalid JSON schema: {e.message}") from None
+
+
 @dataclass(frozen=True)
 class StructuredOutputsParams:
     json: str | dict | None = None  # a JSON schema, as a dict or its JSON text
