@@ -316,3 +316,17 @@ def test_bitmask_application_matches_xgrammar():
     theirs = logits.clone()
     xgr.apply_token_bitmask_inplace(theirs, torch.cat([bitmask[:1], torch.full_like(bitmask[:1], -1), bitmask[1:]]))
     assert torch.equal(ours, theirs)
+
+
+def test_cli_generate_with_a_schema_file_and_a_bad_regex(tmp_path, capsys):
+    from deepinfer import cli
+
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
+    (tmp_path / "schema.json").write_text(json.dumps(schema))
+    base = ["generate", "--json", "--max-tokens", "16", "--kv-cache-memory-bytes", str(16 * 2**20),
+            "--no-load-progress", "--chat", "Answer in JSON"]
+    assert cli.main([*base, "--json-schema", str(tmp_path / "schema.json")]) == 0
+    (line,) = [json.loads(x) for x in capsys.readouterr().out.splitlines() if x.startswith("{")]
+    jsonschema.validate(json.loads(line["text"]), schema)
+    assert cli.main([*base, "--regex", "(oops"]) == cli.EXIT_ERROR
+    assert "parenthesis" in capsys.readouterr().err
