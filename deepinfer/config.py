@@ -371,6 +371,7 @@ class SchedulerConfig:
     max_model_len: int = 0  # 0: the model's max_position
     enable_chunked_prefill: bool = True
     policy: str = "fcfs"  # fcfs | priority
+    async_scheduling: bool = False  # schedule step N+1 before step N's sampled tokens are known
 
     def __post_init__(self):
         if self.max_num_seqs <= 0 or self.max_num_batched_tokens <= 0:
@@ -400,6 +401,11 @@ class EngineArgs:
     num_prefix_snapshots: int = 0  # state rows kept for snapshots (0: 2 x max_num_seqs when snapshots are on)
     scheduling_policy: str = "fcfs"
     load_progress: bool = True
+    # Overlap the forward of step N (worker thread) with scheduling N+1 and processing N-1's outputs.
+    async_scheduling: bool = False
+    # Batch-invariant kernels and position-seeded sampling: a request's logits and tokens do not depend
+    # on the batch, chunking or preemption (docs/determinism.md). Slower.
+    deterministic: bool = False
     grammar_compile_timeout_s: float = 30.0  # a structured-output grammar that takes longer fails its request
 
     def __post_init__(self):
@@ -419,4 +425,4 @@ class EngineArgs:
     def scheduler_config(self, max_model_len: int) -> SchedulerConfig:
         return SchedulerConfig(max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
                                max_model_len=max_model_len, enable_chunked_prefill=self.enable_chunked_prefill,
-                               policy=self.scheduling_policy)
+                               policy=self.scheduling_policy, async_scheduling=self.async_scheduling)

@@ -45,6 +45,7 @@ class Request:
     cache_salt: str | None = None  # requests with different salts never share cached blocks
     block_hashes: list[bytes] = field(default_factory=list)  # chained hashes of its full blocks
     resume_point: int = 0  # a prefix-cache hit's first uncached position; paged state below it is shared
+    num_pending: int = 0  # async scheduling: tokens sampled by steps in flight, not appended yet
     grammar: Any = None  # structured outputs: this sample's RequestGrammar (deepinfer.structured.manager)
 
     def __post_init__(self):

@@ -83,8 +83,9 @@ class FakeRunner:
         for s in out.scheduled:
             req = s.request
             start, end = s.start, s.start + s.num_new_tokens
-            assert 0 < s.num_new_tokens and end <= req.num_tokens
-            tokens = req.prompt_token_ids + req.output_token_ids
+            # every token handed out so far: with async scheduling the scheduler has not seen the last yet
+            tokens = req.prompt_token_ids + self.sampled.get(req.request_id, [])
+            assert 0 < s.num_new_tokens and end <= len(tokens)
             # a prefix hit's bounded state is replayed, unless a snapshot was restored (then it must be exact)
             rebuilding = 0 < req.resume_point and start <= req.resume_point and s.state_slot not in restored
             if start and not rebuilding:  # everything computed so far must be in the cache we are handed
@@ -116,7 +117,8 @@ class FakeRunner:
         return result
 
     def _sample(self, req: Request) -> int:
-        token = self.forced.get((req.request_id, len(req.output_token_ids)), self.rng.randrange(2, VOCAB))
+        handed_out = len(self.sampled.get(req.request_id, []))
+        token = self.forced.get((req.request_id, handed_out), self.rng.randrange(2, VOCAB))
         self.sampled.setdefault(req.request_id, []).append(token)
         return token
 
@@ -165,7 +167,7 @@ def assert_holdings(sched: Scheduler) -> None:
     unheld = sorted(kv.pool._free + list(kv.pool._evictable))  # evictable: cached prefix blocks nobody holds
     assert unheld == [b for b in range(kv.pool.num_blocks) if not held.get(b)]
     for r in sched.running:
-        assert r.status is RUNNING and r.num_computed_tokens <= r.num_tokens
+        assert r.status is RUNNING and r.num_computed_tokens <= r.num_tokens + r.num_pending
         assert len(kv.blocks[r.request_id]) * kv.block_size >= r.num_computed_tokens
     for r in itertools.chain(sched.waiting, *sched.pending_forks.values()):
         assert r.status is WAITING and r.num_computed_tokens == 0
@@ -184,7 +186,7 @@ def assert_step(sched: Scheduler, out: SchedulerOutput) -> None:
         hit_blocks = s.request.resume_point // kv.block_size
         assert len(s.block_ids) == max(kv.blocks_needed(s.start + s.num_new_tokens), hit_blocks)
         assert s.state_slot == kv.slots[req.request_id]
-        assert 0 < s.num_new_tokens <= req.num_tokens - s.start
+        assert 0 < s.num_new_tokens <= req.num_tokens + req.num_pending - s.start
         if not cfg.enable_chunked_prefill:
             assert s.samples, "a partial prompt was scheduled without chunked prefill"
     for fork, child in zip(out.forks, out.fork_children):
@@ -201,12 +203,16 @@ def assert_step(sched: Scheduler, out: SchedulerOutput) -> None:
 def fuzz(policy: str, *, num_requests: int, chunked: bool = True, budget: int = 64, max_prompt: int = 300,
          num_blocks: int = 48, num_state_slots: int = 16, abort_rate: float = 0.03,
          arrival_rate: float = 0.15, max_model_len: int = 4096, seed: int = 0, prefix_caching: bool = False,
-         replay_tokens: int = 0, num_snapshots: int = 0) -> Counter:
+         replay_tokens: int = 0, num_snapshots: int = 0, async_scheduling: bool = False) -> Counter:
+    """With async_scheduling, each step's update is applied only after the next step was scheduled and
+    run (the worker may run step N+1 before the engine folds in step N), and aborts land in between."""
     rng = random.Random(seed)
     sched = make_scheduler(num_blocks=num_blocks, block_size=16, num_state_slots=num_state_slots,
                            max_model_len=max_model_len, max_num_seqs=16, prefix_caching=prefix_caching,
                            replay_tokens=replay_tokens, num_snapshots=num_snapshots,
-                           max_num_batched_tokens=budget, enable_chunked_prefill=chunked, policy=policy)
+                           max_num_batched_tokens=budget, enable_chunked_prefill=chunked, policy=policy,
+                           async_scheduling=async_scheduling)
+    in_flight = None
     prefixes = [[rng.randrange(2, VOCAB) for _ in range(64)] for _ in range(3)] if prefix_caching else [None]
     runner = FakeRunner(sched.kv, seed)
     everything: list[Request] = []
@@ -231,7 +237,7 @@ def fuzz(policy: str, *, num_requests: int, chunked: bool = True, budget: int = 
                 assert all(c in sched.waiting and c.fork_of is None for c in siblings)
                 aborted.add(rid)
         assert_holdings(sched)
-        if not sched.has_unfinished and stats["added"] == num_requests:
+        if not sched.has_unfinished and stats["added"] == num_requests and in_flight is None:
             break
         running_before = list(sched.running)
         if policy == "priority":
@@ -245,9 +251,15 @@ def fuzz(policy: str, *, num_requests: int, chunked: bool = True, budget: int = 
         stats["preemptions"] += len(out.preempted)
         stats["readmitted"] += len(set(out.preempted) & {s.request.request_id for s in out.scheduled})
         forked |= {c.request_id for c in out.fork_children}
-        if sched.has_unfinished:
+        if sched.has_unfinished and in_flight is None:
             assert not out.is_empty, f"step {step_no}: nothing scheduled"
-        sched.update(out, runner(out))
+        result = runner(out)
+        if async_scheduling:
+            if in_flight is not None:
+                sched.update(*in_flight)
+            in_flight = (out, result) if not out.is_empty else None
+        else:
+            sched.update(out, result)
         assert_holdings(sched)
     else:
         raise AssertionError("fuzz did not finish")
@@ -257,7 +269,12 @@ def fuzz(policy: str, *, num_requests: int, chunked: bool = True, budget: int = 
     assert not kv.blocks and not kv.slots and kv.pool._refs == [0] * kv.pool.num_blocks
     assert not sched.waiting and not sched.running and not sched.pending_forks and not sched.requests
     for req in everything:
-        assert req.output_token_ids == runner.sampled.get(req.request_id, [])
+        handed_out = runner.sampled.get(req.request_id, [])
+        if async_scheduling and req.request_id in aborted:  # a token in flight at the abort is dropped
+            assert req.output_token_ids == handed_out[:len(req.output_token_ids)]
+            stats["dropped_in_flight"] += len(handed_out) - len(req.output_token_ids)
+        else:
+            assert req.output_token_ids == handed_out
         if req.request_id in aborted:
             assert req.status is ABORTED and len(req.output_token_ids) <= req.max_output_tokens
         else:
@@ -305,6 +322,18 @@ def test_fuzz_invariants_with_prefix_snapshots_without_chunked_prefill():
                  num_state_slots=24, max_model_len=128, seed=7, prefix_caching=True, replay_tokens=24,
                  num_snapshots=8)
     assert stats["completed"] > 50 and stats["prefix_hits"] > 0
+
+
+@pytest.mark.parametrize("prefix_caching, snapshots", [(False, 0), (True, 0), (True, 8)])
+def test_fuzz_invariants_with_async_scheduling(prefix_caching, snapshots):
+    """Updates lag one step behind scheduling, as with the async engine: placeholders, aborts while a
+    token is in flight, preemption of a request with a pending token, forks, prefix hits, snapshots."""
+    stats = fuzz("fcfs", num_requests=500, seed=8, async_scheduling=True, prefix_caching=prefix_caching,
+                 num_blocks=64 if prefix_caching else 48, replay_tokens=24 if prefix_caching else 0,
+                 num_snapshots=snapshots)
+    assert stats["preemptions"] > 0 and stats["completed"] > 100 and stats["dropped_in_flight"] > 0
+    assert stats["abort_running"] > 0 and stats["forked_children"] > 0
+    assert stats["snapshot_restores"] > 0 if snapshots else stats["snapshot_restores"] == 0
 
 
 def test_fuzz_invariants_with_fewer_state_slots_than_seqs():

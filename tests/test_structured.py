@@ -330,3 +330,21 @@ def test_cli_generate_with_a_schema_file_and_a_bad_regex(tmp_path, capsys):
     jsonschema.validate(json.loads(line["text"]), schema)
     assert cli.main([*base, "--regex", "(oops"]) == cli.EXIT_ERROR
     assert "parenthesis" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("mode", [{"async_scheduling": True}, {"deterministic": True}])
+def test_async_and_deterministic_modes_constrain_too(llm, mode):
+    """Async scheduling resolves a step's masks after the previous step's tokens reach the matchers: its
+    greedy outputs equal synchronous scheduling's. Deterministic mode samples row by row, each with its mask."""
+    prompts = _prompts(llm, 6, "JSON please")
+    params = [SamplingParams(temperature=0.0, max_tokens=64, structured_outputs=Spec(json=SCHEMA) if i % 3 else None)
+              for i in range(6)]
+    reference = [o.outputs[0].text for o in llm.generate(prompts, params, use_tqdm=False)]
+    other = LLM(kv_cache_memory_bytes=32 * 2**20, load_progress=False, **mode)
+    texts = [o.outputs[0].text for o in other.generate(prompts, params, use_tqdm=False)]
+    for p, text in zip(params, texts):
+        if p.structured_outputs is not None:
+            jsonschema.validate(json.loads(text), SCHEMA)
+    if "async_scheduling" in mode:
+        assert texts == reference
+    assert not other.engine.has_unfinished

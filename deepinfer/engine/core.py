@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
 
 import torch
@@ -44,13 +45,17 @@ class EngineCore:
         if self.layout.num_tokens < self.max_model_len:
             logger.warning("the KV cache holds %d tokens, fewer than max_model_len %d: outputs are capped to fit",
                            self.layout.num_tokens, self.max_model_len)
-        self.runner = ModelRunner(self.model, self.layout, self.device)
+        self.runner = ModelRunner(self.model, self.layout, self.device, args.deterministic, args.seed)
         self.kv = KVCacheManager(self.layout.num_blocks, self.layout.block_size, self.layout.num_state_slots,
                                  args.enable_prefix_caching, self.layout.num_snapshot_slots)
         self.scheduler = Scheduler(args.scheduler_config(self.max_model_len), self.kv, self.max_model_len,
                                    replay_tokens=self.model.prefix_replay_tokens())
         self.last_result = RunnerOutput()
         self.last_scheduled = SchedulerOutput()
+        # Async scheduling: forwards run in order on one worker thread; `in_flight` is the step submitted
+        # last, whose tokens the next step() call folds in.
+        self._worker = ThreadPoolExecutor(1, thread_name_prefix="deepinfer-forward") if args.async_scheduling else None
+        self.in_flight: tuple[SchedulerOutput, Future] | None = None
 
     def _plan_cache(self):
         block_size = self.args.block_size or default_block_size(self.model_config)
@@ -136,19 +141,24 @@ class EngineCore:
 
     @property
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished
+        return self.scheduler.has_unfinished or self.in_flight is not None
 
     # --- stepping ------------------------------------------------------------------------------
     def step(self) -> list[Request]:
-        """Run one step; returns every request whose state changed (finished ones included)."""
+        """Run one step; returns every request whose state changed (finished ones included).
+
+        Async: submit this step's forward, then fold in the previous step's tokens while it runs, so the
+        requests returned are those of the previous step (the step's own show up on the next call).
+        """
+        if self._worker is not None:
+            return self._step_async()
         failed = self._fail_grammars()
         out = self.last_scheduled = self.scheduler.schedule()
         if out.is_empty:
             self.last_result = RunnerOutput()
             return failed
         if self.structured is not None:  # filled on a worker thread while the forward runs
-            sampling = [s.request for s in out.scheduled if s.samples] + out.fork_children
-            out.grammar_bitmask = self.structured.fill_async(sampling)
+            out.grammar_bitmask = self.structured.fill_async(_sampling_requests(out))
         self.last_result = self.runner.execute(out)
         return failed + self.scheduler.update(out, self.last_result)
 
@@ -162,3 +172,65 @@ class EngineCore:
             self.scheduler.finish(req.request_id, RequestStatus.FINISHED_ERROR)
             req.stop_reason = req.grammar.error
         return failed
+
+    def _step_async(self) -> list[Request]:
+        failed = self._fail_grammars()
+        out = self.scheduler.schedule()
+        previous, self.in_flight = self.in_flight, None
+        if not out.is_empty:
+            if self.structured is not None:  # masks need the previous step's tokens: resolved after its update
+                out.grammar_bitmask = Future()
+            self.in_flight = (out, self._worker.submit(self.runner.execute, out))
+        try:
+            if previous is None:
+                self.last_scheduled, self.last_result = SchedulerOutput(), RunnerOutput()
+                return failed
+            self.last_scheduled = previous[0]
+            self.last_result = self._result(previous[1])
+            return failed + self.scheduler.update(previous[0], self.last_result)
+        finally:
+            self._fill_masks(out)
+
+    def _fill_masks(self, out: SchedulerOutput) -> None:
+        """Async: resolve the in-flight step's bitmask once its requests' matchers hold every known token
+        (its forward runs meanwhile; the sampler waits for this)."""
+        pending = out.grammar_bitmask
+        if pending is None or pending.done():
+            return
+        try:
+            pending.set_result(self.structured.fill(_sampling_requests(out)))
+        except Exception as e:
+            pending.set_exception(e)
+
+    def _result(self, future: Future) -> RunnerOutput:
+        """A failed forward also fails the step queued behind it (its placeholders cannot resolve)."""
+        try:
+            return future.result()
+        except Exception:
+            if self.in_flight is not None:
+                queued, self.in_flight = self.in_flight, None
+                _abandon_masks(queued[0])  # its sampler must not wait for masks that will never come
+                wait([queued[1]])
+                self.last_scheduled = _merged(self.last_scheduled, queued[0])
+            raise
+
+    def shutdown(self) -> None:
+        """Finish the step in flight (its tokens are dropped) and stop the worker thread."""
+        if self._worker is not None:
+            if self.in_flight is not None:
+                wait([self.in_flight[1]])
+                self.in_flight = None
+            self._worker.shutdown()
+
+
+def _sampling_requests(out: SchedulerOutput) -> list[Request]:
+    return [s.request for s in out.scheduled if s.samples] + out.fork_children
+
+
+def _abandon_masks(out: SchedulerOutput) -> None:
+    if out.grammar_bitmask is not None and not out.grammar_bitmask.done():
+        out.grammar_bitmask.set_exception(RuntimeError("the previous step failed"))
+
+
+def _merged(a: SchedulerOutput, b: SchedulerOutput) -> SchedulerOutput:
+    return SchedulerOutput(a.scheduled + b.scheduled, a.forks + b.forks, a.fork_children + b.fork_children)

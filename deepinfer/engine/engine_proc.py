@@ -153,8 +153,11 @@ class EngineLoop:
             return None
         ids, lps, ranks = (t.tolist() for t in chunk)
         # The chunk covers rows [stop - len, stop); a recompute after preemption (or a sibling that
-        # prefilled alone) repeats rows already sent, which are skipped.
-        stop = min(req.num_computed_tokens, req.num_prompt_tokens - 1)
+        # prefilled alone) repeats rows already sent, which are skipped. The step's own extent, not the
+        # request's computed count: with async scheduling that already includes the next step.
+        end = next((s.start + s.num_new_tokens for s in self.core.last_scheduled.scheduled if s.request is req),
+                   req.num_computed_tokens)
+        stop = min(end, req.num_prompt_tokens - 1)
         skip = max(group.prompt_rows_sent - (stop - len(ids)), 0)
         group.prompt_rows_sent = max(group.prompt_rows_sent, stop)
         rows = list(zip(ids, lps, ranks))[skip:]
@@ -301,6 +304,7 @@ def _serve(model_path, engine_kwargs, inp, out, parent_pid) -> bool:
         loop = EngineLoop(build_core(model_path, engine_kwargs))
         out.send(encode(ready_message(loop.core)))
         _Server(loop, inp, out, parent_pid).run()
+        loop.core.shutdown()
         return True
     except Exception as e:
         logger.exception("the engine failed")

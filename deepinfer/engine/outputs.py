@@ -20,12 +20,20 @@ class ScheduledRequest:
     start: int = -1  # tokens already in the cache when scheduled
     samples: bool = False  # this step brings the cache up to all of the request's tokens
     write_from: int = 0  # paged state of positions below this is a shared prefix: read, never written
+    # Async scheduling: the last input token is the one this request samples in the step before (not
+    # known yet when scheduled); the runner fills it in. num_outputs: outputs known when scheduled.
+    placeholder: bool = False
+    num_outputs: int = 0
 
     def __post_init__(self):
+        req = self.request
         if self.start < 0:
-            self.start = self.request.num_computed_tokens
-        self.write_from = max(self.start, self.request.resume_point)
-        self.samples = self.start + self.num_new_tokens == self.request.num_tokens
+            self.start = req.num_computed_tokens
+        self.write_from = max(self.start, req.resume_point)
+        end = self.start + self.num_new_tokens
+        self.samples = end == req.num_tokens + req.num_pending
+        self.placeholder = end > req.num_tokens
+        self.num_outputs = len(req.output_token_ids)
 
 
 @dataclass

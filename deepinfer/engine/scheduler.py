@@ -69,19 +69,42 @@ class Scheduler:
             self._schedule_waiting(out, budget)
         self._schedule_forks(out)
         self._schedule_snapshots(out)
+        if self.config.async_scheduling:
+            self._advance_scheduled(out)
         return out
+
+    def _advance_scheduled(self, out: SchedulerOutput) -> None:
+        """Async: scheduled tokens count as computed at once (steps run in order on one worker, so a later
+        step always sees them) and each sampled token is pending until its step's update."""
+        for s in out.scheduled:
+            s.request.num_computed_tokens += s.num_new_tokens
+            s.request.num_pending += s.samples
+        for child in out.fork_children:
+            child.num_pending += 1
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = self._align(req.num_computed_tokens, min(req.num_tokens - req.num_computed_tokens, budget))
+            if self._awaits_last_token(req):
+                i += 1
+                continue
+            n = self._align(req.num_computed_tokens, min(_scheduled_len(req) - req.num_computed_tokens, budget))
             if not self._allocate_or_preempt(req, n, out):
                 continue  # req itself was preempted; self.running shrank
             out.scheduled.append(self._scheduled(req, n))
             budget -= n
             i += 1
         return budget
+
+    def _awaits_last_token(self, req: Request) -> bool:
+        """Async: a request whose token in flight is its last by length rules, or that has nothing left to
+        compute until that token arrives, is not scheduled (it finishes or resumes on the update)."""
+        if not req.num_pending:
+            return False
+        n_out = len(req.output_token_ids) + req.num_pending
+        return (n_out >= req.max_output_tokens or _scheduled_len(req) >= self.max_model_len
+                or _scheduled_len(req) <= req.num_computed_tokens)
 
     def _allocate_or_preempt(self, req: Request, n: int, out: SchedulerOutput) -> bool:
         """Allocate for req, preempting the lowest-priority running requests (last first) as needed."""
@@ -115,8 +138,8 @@ class Scheduler:
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self._first_ready()
-            if req is None:
-                return
+            if req is None or req.num_pending:
+                return  # grammars still compiling, or preempted with a token in flight: readmitted once known
             prefix, start, restore = self._cached_prefix(req)
             n = self._align(start, min(req.num_tokens - start, budget))
             # Without chunked prefill a prompt waits for a budget it fits in; one larger than any budget is chunked.
@@ -182,8 +205,9 @@ class Scheduler:
         bs = self.kv.block_size
         for s in out.scheduled:
             end, req = s.start + s.num_new_tokens, s.request
-            if end % bs or end < req.resume_point or not self._caches(req):
-                continue  # not on a boundary, or still replaying (state inexact until the hit point)
+            if end % bs or end < req.resume_point or not self._caches(req) or s.placeholder:
+                continue  # not on a boundary, still replaying (state inexact until the hit point), or async
+                # with the block's last token not known yet (its hash cannot be formed)
             req.block_hashes = chain_hashes(req.token_ids(0, end), bs, req.cache_salt, req.block_hashes)
             row = self.kv.claim_snapshot(req.block_hashes[end // bs - 1])
             if row is not None:
@@ -225,33 +249,40 @@ class Scheduler:
         touched = []
         for s in out.scheduled:
             req = s.request
-            req.num_computed_tokens += s.num_new_tokens
-            block = self.kv.block_size
-            if (req.num_computed_tokens - s.num_new_tokens) // block < req.num_computed_tokens // block:
-                self._cache_computed_blocks(req)
-            if req.request_id in result.sampled:
-                self._append(req, result.sampled[req.request_id])
+            before = _known_computed(req)
+            if self.config.async_scheduling:
+                req.num_pending -= s.samples
+            else:
+                req.num_computed_tokens += s.num_new_tokens
+            if req.is_finished:
+                continue  # finished (or aborted) while this step was in flight: its token is discarded
+            self._append(req, result.sampled.get(req.request_id), before)
             touched.append(req)
-        for fork in out.forks:
-            child = self.requests[fork.child_id]
-            self._append(child, result.sampled[child.request_id])
-            touched.append(child)
+        for child in out.fork_children:
+            child.num_pending -= self.config.async_scheduling
+            if not child.is_finished:
+                self._append(child, result.sampled[child.request_id], _known_computed(child))
+                touched.append(child)
         return touched
 
     def _cache_computed_blocks(self, req: Request) -> None:
-        """Blocks whose every position is computed become findable (they include generated tokens)."""
-        full = req.num_computed_tokens // self.kv.block_size
-        if not self.kv.enable_prefix_caching or full <= 0:
+        """Blocks whose every position is computed and known become findable (they include generated tokens)."""
+        full = _known_computed(req) // self.kv.block_size
+        if not self.kv.enable_prefix_caching or full <= 0 or req.status != RequestStatus.RUNNING:
             return
         if len(req.block_hashes) < full:
             req.block_hashes = chain_hashes(req.token_ids(0, full * self.kv.block_size), self.kv.block_size,
                                             req.cache_salt, req.block_hashes)
-        self.kv.cache_full_blocks(req.request_id, req.block_hashes, req.num_computed_tokens)
+        self.kv.cache_full_blocks(req.request_id, req.block_hashes, full * self.kv.block_size)
 
-    def _append(self, req: Request, token: int) -> None:
-        req.output_token_ids.append(token)
-        status = stop_status(req, token, self.max_model_len)
-        if req.grammar is not None:
+    def _append(self, req: Request, token: int | None, known_before: int) -> None:
+        """Append a sampled token (None: this step sampled nothing), cache blocks that became full, stop."""
+        if token is not None:
+            req.output_token_ids.append(token)
+        if known_before // self.kv.block_size < _known_computed(req) // self.kv.block_size:
+            self._cache_computed_blocks(req)
+        status = None if token is None else stop_status(req, token, self.max_model_len)
+        if token is not None and req.grammar is not None:
             status = grammar_status(req, token, status)
         if status is not None:
             self.finish(req.request_id, status)
@@ -285,6 +316,16 @@ def grammar_status(req: Request, token: int, status: RequestStatus | None) -> Re
         req.stop_reason = None
         return RequestStatus.FINISHED_STOPPED
     return status
+
+
+def _known_computed(req: Request) -> int:
+    """Positions whose KV is computed (or queued ahead of any reader) and whose token is known."""
+    return min(req.num_computed_tokens, req.num_tokens)
+
+
+def _scheduled_len(req: Request) -> int:
+    """Tokens the request has once its pending (async, in flight) tokens arrive."""
+    return req.num_tokens + req.num_pending
 
 
 def stop_status(req: Request, token: int, max_model_len: int) -> RequestStatus | None:

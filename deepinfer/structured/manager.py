@@ -150,10 +150,13 @@ class StructuredOutputManager:
     def fill_async(self, requests: Sequence) -> Future | None:
         """Future of (request ids, int32 bitmask [K, ceil(V/32)]) for the requests among `requests` whose
         next token is constrained; None (nothing to do, nothing paid) when there are none."""
-        constrained = [r for r in requests if r.grammar is not None and r.grammar.constrains_next]
-        if not constrained:
-            return None
-        return self._fill_pool.submit(self._fill, constrained)
+        constrained = _constrained(requests)
+        return self._fill_pool.submit(self._fill, constrained) if constrained else None
+
+    def fill(self, requests: Sequence) -> tuple[list[str], torch.Tensor] | None:
+        """The same, computed now on the calling thread."""
+        constrained = _constrained(requests)
+        return self._fill(constrained) if constrained else None
 
     def _fill(self, requests: list) -> tuple[list[str], torch.Tensor]:
         bitmask = backend.allocate_bitmask(len(requests), self.vocab_size)
@@ -164,3 +167,7 @@ class StructuredOutputManager:
     def shutdown(self) -> None:
         self._compile_pool.shutdown(wait=False, cancel_futures=True)
         self._fill_pool.shutdown(wait=False)
+
+
+def _constrained(requests: Sequence) -> list:
+    return [r for r in requests if r.grammar is not None and r.grammar.constrains_next]

@@ -10,8 +10,9 @@ import torch
 
 from deepinfer.engine.kv_cache import ForkCopy
 from deepinfer.engine.outputs import RunnerOutput, ScheduledRequest, SchedulerOutput
+from deepinfer.layers.batch_invariant import forward_per_token, position_seed
 from deepinfer.layers.metadata import CacheTensorSpec, ForwardMeta
-from deepinfer.worker.sampler import Sampler, SamplingBatch, compute_prompt_logprobs
+from deepinfer.worker.sampler import Sampler, SamplingBatch, compute_prompt_logprobs, make_generator
 
 logger = logging.getLogger("deepinfer")
 
@@ -69,14 +70,18 @@ def plan_cache(specs: list[CacheTensorSpec], block_size: int, num_slots: int, bu
 
 
 class ModelRunner:
-    def __init__(self, model: torch.nn.Module, layout: CacheLayout, device: torch.device):
+    def __init__(self, model: torch.nn.Module, layout: CacheLayout, device: torch.device,
+                 deterministic: bool = False, seed: int = 0):
         self.model, self.layout, self.device = model, layout, device
+        self.deterministic, self.seed = deterministic, seed
         self.vocab_size = model.config.vocab_size
         self.eos_token_ids = model.config.eos_token_ids
         self.specs = model.kv_cache_spec(layout.block_size)
         self.cache = {s.name: self._allocate(s) for s in self.specs}
         model.bind_kv_cache(self.cache)
         self.sampler = Sampler()
+        # Tokens sampled by the previous execute: async scheduling's placeholders resolve from here.
+        self.last_sampled: dict[str, int] = {}
 
     def _allocate(self, spec: CacheTensorSpec) -> torch.Tensor:
         rows = self.layout.num_blocks if spec.kind == "paged" else self.layout.state_rows
@@ -87,20 +92,25 @@ class ModelRunner:
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
         meta, sample_rows, prompt_rows = self._prepare(out.scheduled)
         self._copy_state(out.restores)  # a prefix hit's bounded state, before it is read
-        hidden = self.model(meta)
-        logits = self.model.compute_logits(hidden[meta.logits_indices])
+        logits = self._logits(meta, [row for _, row in sample_rows] + [row for _, _, row in prompt_rows])
         self._copy_state(out.snapshots)  # bounded state at a block boundary, after it is written
         self._apply_forks(out.forks)
         result = RunnerOutput()
         self._sample(out, logits, sample_rows, result)
         self._prompt_logprobs(logits, prompt_rows, result)
+        self.last_sampled = result.sampled
         return result
+
+    def _logits(self, meta: ForwardMeta, rows: list[int]) -> torch.Tensor:
+        if self.deterministic:
+            return forward_per_token(self.model, meta, rows)
+        return self.model.compute_logits(self.model(meta)[meta.logits_indices])
 
     def _prepare(self, scheduled: list[ScheduledRequest]):
         ids, positions, token_req, qstart = [], [], [], [0]
         sample_rows, prompt_rows = [], []
         for r, s in enumerate(scheduled):
-            ids += s.request.token_ids(s.start, s.start + s.num_new_tokens)
+            ids += self._input_ids(s)
             positions += range(s.start, s.start + s.num_new_tokens)
             token_req += [r] * s.num_new_tokens
             qstart.append(qstart[-1] + s.num_new_tokens)
@@ -115,6 +125,18 @@ class ModelRunner:
             seq_lens=[s.start + s.num_new_tokens for s in scheduled], block_size=self.layout.block_size,
             paged_write_from=[s.write_from for s in scheduled])
         return meta, sample_rows, prompt_rows
+
+    def _input_ids(self, s: ScheduledRequest) -> list[int]:
+        """The step's input tokens; a placeholder is the token this request sampled in the previous step."""
+        end = s.start + s.num_new_tokens
+        if not s.placeholder:
+            return s.request.token_ids(s.start, end)
+        return s.request.token_ids(s.start, end - 1) + [self.last_sampled[s.request.request_id]]
+
+    def _outputs(self, s: ScheduledRequest) -> list[int]:
+        """Output tokens before the one sampled now (the request's list may still be catching up)."""
+        known = s.request.output_token_ids[:s.num_outputs]
+        return known + [self.last_sampled[s.request.request_id]] if s.placeholder else known
 
     @staticmethod
     def _prompt_logprob_rows(s: ScheduledRequest, first_row: int) -> list[tuple]:
@@ -150,28 +172,53 @@ class ModelRunner:
     # --- sampling --------------------------------------------------------------------------------
     def _sample(self, out: SchedulerOutput, logits: torch.Tensor, sample_rows: list, result: RunnerOutput):
         """Sampled requests use their last row; forked children reuse their parent's row."""
+        by_id = {s.request.request_id: s for s in out.scheduled}
         parent_pos = {req.request_id: i for i, (req, _) in enumerate(sample_rows)}
         requests = [req for req, _ in sample_rows]
         rows = list(range(len(sample_rows)))
+        outputs = [self._outputs(by_id[req.request_id]) for req in requests]
+        positions = [by_id[req.request_id].start + by_id[req.request_id].num_new_tokens for req in requests]
         for fork, child in zip(out.forks, out.fork_children):
             requests.append(child)
             rows.append(parent_pos[fork.parent_id])
+            outputs.append([])
+            positions.append(positions[parent_pos[fork.parent_id]])
         if not requests:
             return
-        batch = SamplingBatch.build(
-            [r.params for r in requests], [r.prompt_token_ids for r in requests],
-            [r.output_token_ids for r in requests], [r.generator for r in requests],
-            self.eos_token_ids, self.vocab_size, self.device)
-        if out.grammar_bitmask is not None:
-            self._add_grammar(batch, requests, *out.grammar_bitmask.result())
-        sampled = self.sampler(logits[self._long(rows)], batch)
-        self._record(requests, sampled, result)
+        grammar = out.grammar_bitmask.result() if out.grammar_bitmask is not None else None
+        if self.deterministic:
+            for i, req in enumerate(requests):
+                self._sample_rows([req], logits[rows[i]:rows[i] + 1], [outputs[i]],
+                                  [self._position_generator(req, positions[i])], result, grammar)
+            return
+        self._sample_rows(requests, logits[self._long(rows)], outputs, [r.generator for r in requests], result,
+                          grammar)
+
+    def _sample_rows(self, requests, logits: torch.Tensor, outputs, generators, result: RunnerOutput,
+                     grammar: tuple[list[str], torch.Tensor] | None = None) -> None:
+        batch = SamplingBatch.build([r.params for r in requests], [r.prompt_token_ids for r in requests], outputs,
+                                    generators, self.eos_token_ids, self.vocab_size, self.device)
+        if grammar is not None:
+            self._add_grammar(batch, requests, *grammar)
+        self._record(requests, self.sampler(logits, batch), result)
+
+    def _position_generator(self, req, position: int) -> torch.Generator | None:
+        """Deterministic mode: the draw for this position comes from (seed, request, position) alone;
+        an unseeded request is keyed by the engine seed and its id."""
+        if req.params.is_greedy:
+            return None
+        seed = self.seed if req.params.seed is None else req.params.seed
+        key = f"{req.request_id if req.params.seed is None else ''}#{req.sample_index}"
+        return make_generator(position_seed(seed, key, position), self.device)
 
     def _add_grammar(self, batch: SamplingBatch, requests: list, request_ids: list[str], bitmask: torch.Tensor):
-        """Row i of `bitmask` constrains request `request_ids[i]`; only those rows are masked."""
+        """Row k of `bitmask` constrains request `request_ids[k]`; only the rows of those among `requests`
+        are masked."""
         row_of = {r.request_id: i for i, r in enumerate(requests)}
-        batch.grammar_rows = self._long([row_of[rid] for rid in request_ids])
-        batch.grammar_bitmask = bitmask.to(self.device, non_blocking=True)
+        picked = [(row_of[rid], k) for k, rid in enumerate(request_ids) if rid in row_of]
+        if picked:
+            batch.grammar_rows = self._long([row for row, _ in picked])
+            batch.grammar_bitmask = bitmask[[k for _, k in picked]].to(self.device, non_blocking=True)
 
     @staticmethod
     def _record(requests, sampled, result: RunnerOutput) -> None:
