@@ -238,3 +238,16 @@ def test_streamed_tool_deltas_reassemble_the_whole_parse(text, cuts):
             entry["arguments"] += d["function"]["arguments"]
     assert got_content == content
     assert [(v["name"], v["arguments"]) for _, v in sorted(got.items())] == [(c.name, c.arguments) for c in calls]
+
+
+def test_a_constraint_slower_than_the_time_limit_is_a_400():
+    import asyncio
+    import time
+
+    from deepinfer.server.errors import APIError
+    from deepinfer.server.structured import check_spec
+    from deepinfer.structured import StructuredOutputsParams
+
+    with pytest.raises(APIError) as err:
+        asyncio.run(check_spec(StructuredOutputsParams(regex="a+"), lambda spec: time.sleep(1.0), 0.05))
+    assert err.value.status == 400 and "did not compile within 0.05 s" in err.value.message

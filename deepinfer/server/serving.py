@@ -40,7 +40,7 @@ from deepinfer.server.protocol import (
     TokenizeRequest,
 )
 from deepinfer.server.reasoning import ReasoningStream, split_reasoning, thinking_enabled
-from deepinfer.server.structured import check_spec, request_spec
+from deepinfer.server.structured import GrammarChecker, check_spec, request_spec
 from deepinfer.server.tools import ToolCallStream, ToolSetup, openai_calls, parse_tool_calls, tool_setup
 from deepinfer.structured.params import StructuredOutputsParams
 
@@ -361,7 +361,15 @@ class Serving:
         self.client, self.tokenizer, self.settings, self.metrics = client, tokenizer, settings, metrics
         self.decoder = tokenizer if tokenizer is not None else _NoText()
         self.admission = Admission(settings.max_queue, settings.retry_after_s)
+        self._grammar_checker: GrammarChecker | None = None
         self._pieces: dict[int, str] = {}
+
+    @property
+    def grammar_checker(self) -> GrammarChecker:
+        if self._grammar_checker is None:
+            ready = self.client.ready
+            self._grammar_checker = GrammarChecker(self.tokenizer, ready.vocab_size, list(ready.eos_token_ids))
+        return self._grammar_checker
 
     @property
     def max_model_len(self) -> int:
@@ -464,7 +472,7 @@ class Serving:
         for p in prompts:
             self._check_prompt(p.token_ids, req.max_tokens)
         spec = request_spec(req, thinking=False)
-        await check_spec(spec, self.settings.grammar_timeout_s)
+        await check_spec(spec, self.grammar_checker, self.settings.grammar_timeout_s)
         params = self.sampling_params(req, req.max_tokens, echo_logprobs=req.echo and req.logprobs is not None,
                                       structured=spec)
         job = Job(self, f"cmpl-{uuid.uuid4().hex}", prompts, params, req.priority, req.stream)
@@ -477,7 +485,7 @@ class Serving:
         except ValueError as e:
             raise bad_request(f"the tools cannot be constrained: {e}", param="tools") from None
         spec = request_spec(req, thinking, forced)
-        await check_spec(spec, self.settings.grammar_timeout_s, "tools" if forced else None)
+        await check_spec(spec, self.grammar_checker, self.settings.grammar_timeout_s, "tools" if forced else None)
         return self.sampling_params(req, max_tokens, structured=spec)
 
     def _completion_prompts(self, prompt) -> list[Prompt]:

@@ -5,6 +5,7 @@ before anything is queued (the grammar is built here, off the event loop, under 
 from __future__ import annotations
 
 import asyncio
+import threading
 
 from deepinfer.server.errors import bad_request
 from deepinfer.structured.params import StructuredOutputsParams
@@ -57,19 +58,42 @@ def request_spec(req, thinking: bool, tool_spec: dict | None = None) -> Structur
         raise bad_request(str(e), param=name) from None
 
 
-def _build(spec: StructuredOutputsParams) -> None:
-    from deepinfer.structured.backend import build_grammar  # xgrammar loads with the first constraint, off the loop
+class GrammarChecker:
+    """Compiles constraints against the served tokenizer, as the engine will (xgrammar's own cache keeps
+    repeated schemas cheap), so a grammar that fails or is too slow to compile is the client's 400 rather
+    than a failed request later. Thread-safe; built with the first constraint."""
 
-    build_grammar(spec)
+    CACHE_BYTES = 64 * 2**20
+
+    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: list[int]):
+        self.tokenizer, self.vocab_size, self.stop_token_ids = tokenizer, vocab_size, stop_token_ids
+        self._compiler = None
+        self._lock = threading.Lock()
+
+    def __call__(self, spec: StructuredOutputsParams) -> None:
+        from deepinfer.structured import backend  # xgrammar loads with the first constraint, off the event loop
+
+        grammar = backend.build_grammar(spec)
+        if self.tokenizer is None:
+            return  # the engine answers (it cannot constrain without a tokenizer)
+        with self._lock:
+            if self._compiler is None:
+                info = backend.tokenizer_info(self.tokenizer, self.vocab_size, self.stop_token_ids)
+                self._compiler = backend.Compiler(info, cache_bytes=self.CACHE_BYTES)
+        try:
+            self._compiler.compile(grammar)
+        except Exception as e:
+            raise ValueError(f"the {spec.kind} constraint failed to compile: {backend.reason(e)}") from None
 
 
-async def check_spec(spec: StructuredOutputsParams | None, timeout_s: float, param: str | None = None) -> None:
-    """Builds the grammar in a worker thread: a bad schema / regex / grammar, or one that does not build
-    within `timeout_s`, is a 400 with the reason."""
+async def check_spec(spec: StructuredOutputsParams | None, check: GrammarChecker, timeout_s: float,
+                     param: str | None = None) -> None:
+    """Builds and compiles the grammar in a worker thread: a bad schema / regex / grammar, or one that does
+    not compile within `timeout_s`, is a 400 with the reason."""
     if spec is None:
         return
     try:
-        await asyncio.wait_for(asyncio.to_thread(_build, spec), timeout_s)
+        await asyncio.wait_for(asyncio.to_thread(check, spec), timeout_s)
     except ValueError as e:
         raise bad_request(str(e), param=param) from None
     except asyncio.TimeoutError:

@@ -14,7 +14,7 @@ from deepinfer.structured.params import StructuredOutputsParams, check_json_sche
 _CPP_PREFIX = re.compile(r"^\[[\d:]+\]\s+\S+:\d+:\s*")
 
 
-def _reason(exc: Exception) -> str:
+def reason(exc: Exception) -> str:
     """xgrammar's message without its C++ source location."""
     return _CPP_PREFIX.sub("", str(exc).strip())
 
@@ -69,15 +69,16 @@ def build_grammar(spec: StructuredOutputsParams) -> xgr.Grammar:
     except ValueError:
         raise
     except Exception as e:  # xgrammar reports bad input as RuntimeError (or its own error types)
-        raise ValueError(f"invalid {spec.kind.replace('_', ' ')} constraint: {_reason(e)}") from None
+        raise ValueError(f"invalid {spec.kind.replace('_', ' ')} constraint: {reason(e)}") from None
 
 
 class Compiler:
     """Compiles grammars against one tokenizer (thread-safe; xgrammar releases the GIL while compiling)."""
 
-    def __init__(self, info: xgr.TokenizerInfo, max_threads: int = 2):
+    def __init__(self, info: xgr.TokenizerInfo, max_threads: int = 2, cache_bytes: int = 0):
         self.info = info
-        self._compiler = xgr.GrammarCompiler(info, max_threads=max_threads, cache_enabled=False)
+        self._compiler = xgr.GrammarCompiler(info, max_threads=max_threads, cache_enabled=cache_bytes > 0,
+                                             cache_limit_bytes=cache_bytes if cache_bytes > 0 else -1)
 
     def compile(self, grammar: xgr.Grammar) -> xgr.CompiledGrammar:
         return self._compiler.compile_grammar(grammar)
