@@ -10,7 +10,7 @@ import torch
 
 from deepinfer.engine.kv_cache import ForkCopy
 from deepinfer.engine.outputs import RunnerOutput, ScheduledRequest, SchedulerOutput
-from deepinfer.layers.batch_invariant import forward_per_token, position_seed
+from deepinfer.layers.batch_invariant import batch_invariant, forward_per_token, position_seed
 from deepinfer.layers.metadata import CacheTensorSpec, ForwardMeta
 from deepinfer.worker.sampler import Sampler, SamplingBatch, compute_prompt_logprobs, make_generator
 
@@ -102,8 +102,11 @@ class ModelRunner:
         return result
 
     def _logits(self, meta: ForwardMeta, rows: list[int]) -> torch.Tensor:
-        if self.deterministic:
+        if self.deterministic and not getattr(self.model, "batch_invariant_kernels", False):
             return forward_per_token(self.model, meta, rows)
+        if self.deterministic:
+            with batch_invariant():
+                return self.model.compute_logits(self.model(meta)[meta.logits_indices])
         return self.model.compute_logits(self.model(meta)[meta.logits_indices])
 
     def _prepare(self, scheduled: list[ScheduledRequest]):
