@@ -114,6 +114,29 @@ def test_forced_tool_calls_validate_streaming(client, choice):
         _check_calls(calls, allowed)
 
 
+def test_each_of_n_choices_gets_its_own_calls(client):
+    kw = dict(tools=TOOLS, tool_choice="required", parallel_tool_calls=False, n=3, temperature=1.0, seed=5,
+              max_tokens=FORCED_MAX_TOKENS)
+    r = _chat(client, QUESTIONS[0], **kw)
+    assert len(r.choices) == 3
+    for c in r.choices:
+        assert c.finish_reason == "tool_calls"
+        _check_calls(c.message.tool_calls, set(SCHEMAS))
+    calls: dict[int, dict[int, list]] = {}  # choice -> call index -> [name, arguments]
+    finishes = {}
+    for chunk in _chat(client, QUESTIONS[0], stream=True, **kw):
+        for choice in chunk.choices:
+            finishes[choice.index] = choice.finish_reason or finishes.get(choice.index)
+            for d in choice.delta.tool_calls or ():
+                entry = calls.setdefault(choice.index, {}).setdefault(d.index, [d.function.name, ""])
+                entry[1] += d.function.arguments or ""
+    assert finishes == {0: "tool_calls", 1: "tool_calls", 2: "tool_calls"}
+    assert len(calls) == 3 and all(list(by_call) == [0] for by_call in calls.values())
+    for by_call in calls.values():
+        name, arguments = by_call[0]
+        jsonschema.validate(json.loads(arguments), SCHEMAS[name])
+
+
 def test_auto_and_none_tool_choice_never_return_an_empty_list(client):
     for choice in ("auto", "none"):
         for question in QUESTIONS[:3]:
