@@ -237,14 +237,23 @@ def test_bad_constraint_on_completions_answers_400(server):
 
 
 # --- the parser, without a server --------------------------------------------------------------------
-def _call_text(name: str, args: str) -> str:
+def _call_text(name: str, args: str, fenced: bool = False) -> str:
+    if fenced:  # DeepSeek V3 / R1 style
+        return f"{CALL_BEGIN}function{SEP}{name}\n```json\n{args}\n```{CALL_END}"
     return f"{CALL_BEGIN}{name}{SEP}{args}{CALL_END}"
 
 
-_TEXT = st.builds(lambda pre, calls: pre + (CALLS_BEGIN + "".join(_call_text(n, a) for n, a in calls) + CALLS_END
+def test_parser_reads_both_deepseek_call_styles():
+    text = "ok " + CALLS_BEGIN + _call_text("f", '{"a": 1}') + _call_text("g", '{"b": [2]}', fenced=True) + CALLS_END
+    content, calls = parse_tool_calls(text)
+    assert content == "ok " and [(c.name, c.arguments, c.complete) for c in calls] == [
+        ("f", '{"a": 1}', True), ("g", '{"b": [2]}', True)]
+
+
+_TEXT = st.builds(lambda pre, calls: pre + (CALLS_BEGIN + "".join(_call_text(*c) for c in calls) + CALLS_END
                                             if calls else ""),
                   st.text(max_size=20), st.lists(st.tuples(st.sampled_from(["f", "get_weather"]),
-                                                           st.text(max_size=20)), max_size=3))
+                                                           st.text(max_size=20), st.booleans()), max_size=3))
 
 
 @settings(max_examples=200, deadline=None)

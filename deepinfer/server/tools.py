@@ -1,6 +1,10 @@
-"""Tool calling in DeepSeek's format (V3.1 / V4 chat templates):
+"""Tool calling in DeepSeek's format (V3.1 chat template, and the bundled model's):
 
     <｜tool▁calls▁begin｜><｜tool▁call▁begin｜>NAME<｜tool▁sep｜>ARGUMENTS-JSON<｜tool▁call▁end｜>...<｜tool▁calls▁end｜>
+
+The parser also reads V3 / R1's variant of a call:
+
+    <｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME\n```json\nARGUMENTS-JSON\n```<｜tool▁call▁end｜>
 
 `tool_setup` checks `tools` / `tool_choice` (400 on bad input) and, for `required` or a named function,
 gives the structural-tag constraint that forces that format with arguments matching each function's
@@ -131,10 +135,30 @@ def parse_tool_calls(text: str, final: bool = True) -> tuple[str, list[ParsedCal
             calls.append(ParsedCall(None, "", False))
             continue
         args, end, _ = args.partition(CALL_END)
+        if name.strip() == "function":
+            calls.append(_fenced_call(args, bool(end), final))
+            continue
         if not end and not final:
             args = args[: len(args) - _partial_suffix(args, CALL_END)]
         calls.append(ParsedCall(name.strip(), args, bool(end)))
     return head, calls
+
+
+_FENCE_OPEN, _FENCE_CLOSE = "```json\n", "\n```"
+
+
+def _fenced_call(body: str, complete: bool, final: bool) -> ParsedCall:
+    """V3 / R1: NAME, a newline, then the arguments in a ```json fence. Not final: a partial fence or end
+    marker is held back, so streamed arguments never include what the final parse drops."""
+    name, newline, rest = body.partition("\n")
+    if not newline and not (complete or final):
+        return ParsedCall(None, "", False)
+    if not (complete or final) and _FENCE_OPEN.startswith(rest):
+        return ParsedCall(name.strip(), "", False)
+    rest = rest.removeprefix(_FENCE_OPEN)
+    if complete or final:
+        return ParsedCall(name.strip(), rest.removesuffix(_FENCE_CLOSE), complete)
+    return ParsedCall(name.strip(), rest[: len(rest) - _partial_suffix(rest, _FENCE_CLOSE + CALL_END)], False)
 
 
 def new_call_id() -> str:
