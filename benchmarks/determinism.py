@@ -7,8 +7,9 @@
    whether its tokens are equal. Nothing is asserted here; the test asserts the deterministic side.
 2. GEMM row invariance on this machine: which row counts change a row's bits, and whether a row's
    position inside a fixed-size tile does (groundwork for batched batch-invariant kernels).
-3. Cost: the bundled model, default vs deterministic mode in the same process: prefill tokens/s (one
-   256-token prompt) and decode tokens/s at batch 1 and 16 (greedy, 32 tokens).
+3. Cost: the bundled model, default vs deterministic mode (batch-invariant kernels) vs its
+   one-forward-per-token fallback, in the same process: prefill tokens/s (one 256-token prompt) and
+   decode tokens/s at batch 1 and 16 (greedy, 32 tokens).
 
 Writes benchmarks/results/determinism.{json,png}.
 
@@ -91,7 +92,9 @@ def timed(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> float:
 
 def cost(repeats: int) -> dict:
     options = dict(load_progress=False, kv_cache_memory_bytes=128 * 2**20, max_num_batched_tokens=2048)
-    engines = {"default": LLM(**options), "deterministic": LLM(deterministic=True, **options)}
+    engines = {"default": LLM(**options), "deterministic": LLM(deterministic=True, **options),
+               "per_token": LLM(deterministic=True, **options)}
+    engines["per_token"].engine.model.batch_invariant_kernels = False  # the one-token-forward fallback
     g = torch.Generator().manual_seed(0)
     vocab = engines["default"].engine.model_config.vocab_size
     long_prompt = [torch.randint(20, vocab, (256,), generator=g).tolist()]
@@ -109,6 +112,7 @@ def cost(repeats: int) -> dict:
                 out[mode][f"decode_tokens_per_s_batch{bs}"].append(timed(llm, prompts, many))
     medians = {mode: {k: sorted(v)[len(v) // 2] for k, v in m.items()} for mode, m in out.items()}
     medians["slowdown"] = {k: medians["default"][k] / medians["deterministic"][k] for k in medians["default"]}
+    medians["slowdown_per_token"] = {k: medians["default"][k] / medians["per_token"][k] for k in medians["default"]}
     return medians
 
 
@@ -121,8 +125,10 @@ def plot(result: dict, path: Path) -> None:
     keys = ["prefill_tokens_per_s", "decode_tokens_per_s_batch1", "decode_tokens_per_s_batch16"]
     fig, ax = plt.subplots(figsize=(7, 4))
     xs = range(len(keys))
-    for offset, mode, color in ((-0.2, "default", "#999"), (0.2, "deterministic", "#2a7")):
-        ax.bar([x + offset for x in xs], [result["cost"][mode][k] for k in keys], 0.4, label=mode, color=color)
+    modes = ((-0.27, "default", "#999"), (0.0, "deterministic", "#2a7"), (0.27, "per_token", "#c84"))
+    for offset, mode, color in modes:
+        label = "deterministic, one forward per token" if mode == "per_token" else mode
+        ax.bar([x + offset for x in xs], [result["cost"][mode][k] for k in keys], 0.27, label=label, color=color)
     ax.set_xticks(list(xs), ["prefill (256 tokens)", "decode, batch 1", "decode, batch 16"])
     ax.set_ylabel("tokens/s (median)")
     ax.set_yscale("log")

@@ -16,6 +16,7 @@ import json
 import sys
 import typing
 from collections.abc import Iterator, Mapping
+from pathlib import Path
 
 import jinja2
 
@@ -91,6 +92,28 @@ def add_sampling_args(parser: argparse.ArgumentParser) -> None:
         group.add_argument(_flag(name), type=kind, help=help_text)
     group.add_argument("--stop", action="append", metavar="TEXT", help="stop string (repeatable)")
     group.add_argument("--ignore-eos", action="store_true", help="keep generating past EOS")
+    group = parser.add_argument_group("structured outputs (at most one)")
+    group.add_argument("--json-schema", metavar="SCHEMA", help="JSON schema (its JSON text, or a file holding it)")
+    group.add_argument("--regex", metavar="REGEX", help="the output fully matches this regular expression")
+    group.add_argument("--choice", action="append", metavar="TEXT", help="the output is one of these (repeatable)")
+    group.add_argument("--grammar", metavar="EBNF", help="EBNF grammar (its text, or a file holding it)")
+
+
+def _structured(namespace: argparse.Namespace) -> dict | None:
+    """The structured-output spec the flags give (files are read), or None."""
+    given = {k: getattr(namespace, k, None) for k in ("json_schema", "regex", "choice", "grammar")}
+    given = {("json" if k == "json_schema" else k): v for k, v in given.items() if v is not None}
+    for key in ("json", "grammar"):
+        if key in given:
+            given[key] = _text_or_file(given[key])
+    return given or None
+
+
+def _text_or_file(value: str) -> str:
+    try:
+        return Path(value).read_text(encoding="utf-8") if Path(value).is_file() else value
+    except OSError:  # e.g. inline text too long to be a file name
+        return value
 
 
 def sampling_params(namespace: argparse.Namespace) -> SamplingParams:
@@ -98,7 +121,7 @@ def sampling_params(namespace: argparse.Namespace) -> SamplingParams:
     chosen = {name: getattr(namespace, name) for name in _SAMPLING_FLAGS}
     kwargs = {name: value for name, value in chosen.items() if value is not None}
     return SamplingParams(max_tokens=namespace.max_tokens, stop=namespace.stop or [],
-                          ignore_eos=namespace.ignore_eos, **kwargs)
+                          ignore_eos=namespace.ignore_eos, structured_outputs=_structured(namespace), **kwargs)
 
 
 def load_llm(namespace: argparse.Namespace, stdout_is_data: bool = False) -> LLM:

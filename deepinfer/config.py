@@ -453,10 +453,13 @@ class EngineArgs:
     # Batch-invariant kernels and position-seeded sampling: a request's logits and tokens do not depend
     # on the batch, chunking or preemption (docs/determinism.md). Slower.
     deterministic: bool = False
+    grammar_compile_timeout_s: float = 30.0  # a structured-output grammar that takes longer fails its request
     # {"method": "mtp" | "ngram" | "dspark", "num_speculative_tokens": k, ...} as a dict or JSON text; None: off
     speculative_config: str | dict | None = None
 
     def __post_init__(self):
+        if self.grammar_compile_timeout_s <= 0:
+            raise ValueError(f"grammar_compile_timeout_s must be > 0, got {self.grammar_compile_timeout_s}")
         if SpeculativeConfig.parse(self.speculative_config) is not None and self.deterministic:
             raise ValueError("speculative decoding cannot be combined with deterministic mode (verification "
                              "steps batch several tokens of a request, which deterministic mode rules out)")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -45,6 +46,7 @@ class Request:
     block_hashes: list[bytes] = field(default_factory=list)  # chained hashes of its full blocks
     resume_point: int = 0  # a prefix-cache hit's first uncached position; paged state below it is shared
     num_pending: int = 0  # async scheduling: tokens sampled by steps in flight, not appended yet
+    grammar: Any = None  # structured outputs: this sample's RequestGrammar (deepinfer.structured.manager)
     spec_token_ids: list[int] = field(default_factory=list)  # drafts proposed after the last step, unverified
     spec_confidence: list[float] | None = None  # the proposer's predicted acceptance of each draft
 

@@ -2,7 +2,8 @@
 
 Construction validates every value and normalises `stop` / `stop_token_ids` to lists, so the
 rest of the engine can rely on: stop is list[str] of non-empty strings, stop_token_ids is
-list[int], top_k in {-1, 0} means "disabled", max_tokens is None or >= 1.
+list[int], top_k in {-1, 0} means "disabled", max_tokens is None or >= 1, structured_outputs is None
+or a StructuredOutputsParams with exactly one constraint.
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ import copy
 import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
+
+from deepinfer.structured.params import StructuredOutputsParams
 
 # Temperatures below this are treated as greedy (dividing logits by them is numerically meaningless).
 GREEDY_EPS = 1e-5
@@ -39,6 +42,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     detokenize: bool = True
+    structured_outputs: StructuredOutputsParams | None = None  # a dict of its fields is accepted too
 
     def __init__(self, **kwargs: Any):
         _reject_unknown(kwargs)
@@ -73,6 +77,7 @@ class SamplingParams:
     def _normalise(self) -> None:
         self.stop = _as_list(self.stop, "stop")
         self.stop_token_ids = _as_list(self.stop_token_ids, "stop_token_ids")
+        self.structured_outputs = StructuredOutputsParams.from_value(self.structured_outputs)
         for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
                      "repetition_penalty"):
             setattr(self, name, _as_float(name, getattr(self, name)))
@@ -113,6 +118,9 @@ class SamplingParams:
         _check(all(_is_int(t) and t >= 0 for t in self.stop_token_ids),
                f"stop_token_ids must be non-negative ints, got {self.stop_token_ids}")
         _check(self.detokenize or not self.stop, "stop strings require detokenize=True")
+        # A finished grammar allows only EOS, which min_tokens would forbid: nothing could be sampled.
+        _check(self.structured_outputs is None or self.min_tokens == 0,
+               "min_tokens cannot be combined with structured_outputs (the grammar decides where the output ends)")
         for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens",
                      "spaces_between_special_tokens", "detokenize"):
             _check(isinstance(getattr(self, name), bool), f"{name} must be a bool")

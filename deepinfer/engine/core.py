@@ -38,6 +38,8 @@ class EngineCore:
             logger.info("speculative decoding runs synchronous steps: async scheduling is off")
             args = replace(args, async_scheduling=False)
         self.args = args
+        self.model_path = Path(model)
+        self.structured = None  # StructuredOutputManager, created with the first constrained request
         self.device = torch.device(args.device)
         self.model_config = ModelConfig.from_hf(model)
         self.dtype = resolve_dtype(args.dtype, self.model_config.hf_dtype, self.device.type)
@@ -116,6 +118,8 @@ class EngineCore:
             req = Request(rid, list(prompt_token_ids), params, max_out, priority=priority,
                           eos_token_ids=self.model_config.eos_token_ids, sample_index=i,
                           fork_of=requests[0] if i else None, cache_salt=cache_salt)
+            if params.structured_outputs is not None:  # each sample advances its own matcher
+                req.grammar = self.structured.request_state(params.structured_outputs)
             requests.append(req)
             self.scheduler.add(req)
         return requests
@@ -136,8 +140,23 @@ class EngineCore:
         if n >= capacity:
             raise ValueError(f"request {request_id}: {n} prompt tokens cannot fit in the KV cache "
                              f"({self.layout.num_tokens} tokens) with room for an output token")
+        if params.structured_outputs is not None:
+            self._structured_manager().validate(params.structured_outputs)
         room = capacity - n  # a request alone always fits, so preemption always makes progress
         return room if params.max_tokens is None else min(params.max_tokens, room)
+
+    def _structured_manager(self):
+        """xgrammar is imported (and the tokenizer loaded) only once a request asks for a constraint."""
+        if self.structured is None:
+            from deepinfer.structured.manager import StructuredOutputManager
+            from deepinfer.tokenizer import Tokenizer
+
+            if not (self.model_path / "tokenizer.json").is_file():
+                raise ValueError("structured outputs need the model's tokenizer.json, which this checkpoint lacks")
+            self.structured = StructuredOutputManager(
+                Tokenizer.from_dir(self.model_path), self.model_config.vocab_size, self.model_config.eos_token_ids,
+                timeout_s=self.args.grammar_compile_timeout_s)
+        return self.structured
 
     def reset_prefix_cache(self) -> None:
         self.kv.reset_prefix_cache()
@@ -159,26 +178,57 @@ class EngineCore:
         if self._worker is not None:
             return self._step_async()
         started = time.perf_counter()
+        failed = self._fail_grammars()
         out = self.last_scheduled = self.scheduler.schedule()
         if out.is_empty:
             self.last_result = RunnerOutput()
-            return []
+            return failed
+        if self.structured is not None:  # filled on a worker thread while the forward runs
+            out.grammar_bitmask = self.structured.fill_async(_sampling_requests(out))
         self.last_result = self.runner.execute(out)
-        touched = self.scheduler.update(out, self.last_result)
+        touched = failed + self.scheduler.update(out, self.last_result)
         self.scheduler.record_step(out, self.last_result, time.perf_counter() - started)
         return touched
 
+    def _fail_grammars(self) -> list[Request]:
+        """Waiting requests whose grammar failed to compile (or hit the time limit) finish with an error."""
+        if self.structured is None:
+            return []
+        failed = [r for r in self.scheduler.waiting if r.grammar is not None and r.grammar.ready()
+                  and r.grammar.error is not None]
+        for req in failed:
+            self.scheduler.finish(req.request_id, RequestStatus.FINISHED_ERROR)
+            req.stop_reason = req.grammar.error
+        return failed
+
     def _step_async(self) -> list[Request]:
+        failed = self._fail_grammars()
         out = self.scheduler.schedule()
         previous, self.in_flight = self.in_flight, None
         if not out.is_empty:
+            if self.structured is not None:  # masks need the previous step's tokens: resolved after its update
+                out.grammar_bitmask = Future()
             self.in_flight = (out, self._worker.submit(self.runner.execute, out))
-        if previous is None:
-            self.last_scheduled, self.last_result = SchedulerOutput(), RunnerOutput()
-            return []
-        self.last_scheduled = previous[0]
-        self.last_result = self._result(previous[1])
-        return self.scheduler.update(previous[0], self.last_result)
+        try:
+            if previous is None:
+                self.last_scheduled, self.last_result = SchedulerOutput(), RunnerOutput()
+                return failed
+            self.last_scheduled = previous[0]
+            self.last_result = self._result(previous[1])
+            return failed + self.scheduler.update(previous[0], self.last_result)
+        finally:
+            self._fill_masks(out)
+
+    def _fill_masks(self, out: SchedulerOutput) -> None:
+        """Async: resolve the in-flight step's bitmask once its requests' matchers hold every known token
+        (its forward runs meanwhile; the sampler waits for this)."""
+        pending = out.grammar_bitmask
+        if pending is None or pending.done():
+            return
+        try:
+            pending.set_result(self.structured.fill(_sampling_requests(out)))
+        except Exception as e:
+            pending.set_exception(e)
 
     def _result(self, future: Future) -> RunnerOutput:
         """A failed forward also fails the step queued behind it (its placeholders cannot resolve)."""
@@ -187,6 +237,7 @@ class EngineCore:
         except Exception:
             if self.in_flight is not None:
                 queued, self.in_flight = self.in_flight, None
+                _abandon_masks(queued[0])  # its sampler must not wait for masks that will never come
                 wait([queued[1]])
                 self.last_scheduled = _merged(self.last_scheduled, queued[0])
             raise
@@ -198,6 +249,15 @@ class EngineCore:
                 wait([self.in_flight[1]])
                 self.in_flight = None
             self._worker.shutdown()
+
+
+def _sampling_requests(out: SchedulerOutput) -> list[Request]:
+    return [s.request for s in out.scheduled if s.samples] + out.fork_children
+
+
+def _abandon_masks(out: SchedulerOutput) -> None:
+    if out.grammar_bitmask is not None and not out.grammar_bitmask.done():
+        out.grammar_bitmask.set_exception(RuntimeError("the previous step failed"))
 
 
 def _merged(a: SchedulerOutput, b: SchedulerOutput) -> SchedulerOutput:

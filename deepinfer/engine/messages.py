@@ -133,4 +133,7 @@ def decode_output(data: bytes) -> OutputMessage:
 
 def params_to_dict(params: SamplingParams) -> dict:
     """Every SamplingParams field by name; `SamplingParams(**d)` rebuilds (and revalidates) it."""
-    return {f.name: getattr(params, f.name) for f in dataclasses.fields(params)}
+    d = {f.name: getattr(params, f.name) for f in dataclasses.fields(params)}
+    if params.structured_outputs is not None:
+        d["structured_outputs"] = params.structured_outputs.to_dict()
+    return d

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import torch
@@ -49,6 +50,9 @@ class SchedulerOutput:
     preempted: list[str] = field(default_factory=list)
     restores: list[tuple[int, int]] = field(default_factory=list)  # (snapshot row, state slot) before the step
     snapshots: list[tuple[int, int]] = field(default_factory=list)  # (state slot, snapshot row) after the step
+    # Structured outputs: resolves to (request ids, int32 bitmask [K, ceil(V/32)]) of the sampling requests
+    # whose next token is constrained; None when no row is constrained.
+    grammar_bitmask: Future | None = None
     propose_drafts: bool = True  # False: no drafting this step (adaptive policy measured plain decoding faster)
 
     @property

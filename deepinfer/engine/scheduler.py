@@ -147,11 +147,11 @@ class Scheduler:
 
     def _drafts(self, req: Request, n: int, budget: int) -> list[int]:
         """The drafts req verifies this step: only when decoding (one token behind), within the budget, the
-        output cap and the model length; never for requests that return logprobs (one entry per step)."""
+        output cap and the model length; never for requests that return logprobs or follow a grammar."""
         if not req.spec_token_ids or n != 1 or req.num_tokens - req.num_computed_tokens != 1:
             return []
-        if req.params.logprobs is not None:
-            return []
+        if req.params.logprobs is not None or req.grammar is not None:
+            return []  # one logprob entry per step; grammar masks are filled for one position per step
         room = min(budget - 1, req.max_output_tokens - len(req.output_token_ids) - 1,
                    self.max_model_len - req.num_tokens - 1, self._verify_lens.get(req.request_id, 0))
         return req.spec_token_ids[:max(room, 0)]
@@ -203,9 +203,9 @@ class Scheduler:
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            req = self.waiting[0]
-            if req.num_pending:
-                return  # preempted with a token in flight: readmitted once it is known
+            req = self._first_ready()
+            if req is None or req.num_pending:
+                return  # grammars still compiling, or preempted with a token in flight: readmitted once known
             prefix, start, restore = self._cached_prefix(req)
             n = self._align(start, min(req.num_tokens - start, budget))
             # Without chunked prefill a prompt waits for a budget it fits in; one larger than any budget is chunked.
@@ -215,11 +215,16 @@ class Scheduler:
             if not self._allocate(req, start + n, prefix):
                 return
             self._resume_from(req, prefix, start, restore, out)
-            self.waiting.popleft()
+            self.waiting.remove(req)
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             out.scheduled.append(self._scheduled(req, n))
             budget -= n
+
+    def _first_ready(self) -> Request | None:
+        """The first waiting request whose grammar (if any) has compiled; the others keep their place."""
+        return next((r for r in self.waiting if r.grammar is None or (r.grammar.ready() and r.grammar.error is None)),
+                    None)
 
     def _cached_prefix(self, req: Request) -> tuple[list[int], int, int | None]:
         """(cached blocks, first position to compute, snapshot row to restore) for a request about to be
@@ -359,6 +364,8 @@ class Scheduler:
         for token in tokens:
             req.output_token_ids.append(token)
             status = stop_status(req, token, self.max_model_len)
+            if req.grammar is not None:
+                status = grammar_status(req, token, status)
             if status is not None:
                 break
         if known_before // self.kv.block_size < _known_computed(req) // self.kv.block_size:
@@ -390,6 +397,18 @@ def _confidence(req: Request, empirical: list[float]) -> list[float]:
     if req.spec_confidence:
         return req.spec_confidence[:len(req.spec_token_ids)]
     return [empirical[i] if i < len(empirical) else 0.5 for i in range(len(req.spec_token_ids))]
+
+
+def grammar_status(req: Request, token: int, status: RequestStatus | None) -> RequestStatus | None:
+    """Advance the request's matcher by `token`: a finished grammar stops the request; a token the grammar
+    rejects (it was sampled unmasked, a bug) fails it rather than emit invalid output."""
+    if not req.grammar.accept(token):
+        req.stop_reason = f"token {token} violates the {req.grammar.spec.kind} constraint"
+        return RequestStatus.FINISHED_ERROR
+    if status is None and req.grammar.terminated:
+        req.stop_reason = None
+        return RequestStatus.FINISHED_STOPPED
+    return status
 
 
 def _known_computed(req: Request) -> int:

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from deepinfer.config import ConfigError, ModelConfig
+from deepinfer.layers.batch_invariant import batch_invariant_enabled
 from deepinfer.layers.kv_quant import PagedPool, is_quantised, storage_dtype
 from deepinfer.layers.metadata import CacheTensorSpec, ForwardMeta
 from deepinfer.layers.moe import routed_experts
@@ -110,11 +111,25 @@ def _rope_rows(rotary: RotaryTable, meta: ForwardMeta) -> tuple[torch.Tensor, to
     return rotary.cos[meta.positions], rotary.sin[meta.positions]
 
 
+def _per_token_batch(meta: ForwardMeta) -> DecodeBatch:
+    """Every new token as its own absorbed query over positions 0..its own (batch-invariant mode)."""
+    reqs = [r for r, n in enumerate(meta.query_lens()) for _ in range(n)]
+    lens = [meta.seq_starts[r] + i + 1 for r, n in enumerate(meta.query_lens()) for i in range(n)]
+    dev = meta.device
+    pos = torch.arange(max(lens), device=dev)
+    valid = pos[None] < torch.tensor(lens, device=dev)[:, None]
+    req_rows = torch.tensor(reqs, device=dev)[:, None].expand_as(valid)
+    slots = meta.slots_of(req_rows, torch.where(valid, pos, 0))
+    return DecodeBatch(torch.arange(len(reqs), device=dev), slots, valid)
+
+
 def plan_step(meta: ForwardMeta, rotary: RotaryTable, interleave: bool) -> MLAStep:
+    cos, sin = _rope_rows(rotary, meta)
+    if batch_invariant_enabled():
+        return MLAStep(cos, sin, meta.new_token_slots(), _per_token_batch(meta), [], interleave)
     qlens = meta.query_lens()
     decode = _decode_batch(meta, [r for r, n in enumerate(qlens) if n == 1])
     prefills = [_prefill_seq(meta, r) for r, n in enumerate(qlens) if n > 1]
-    cos, sin = _rope_rows(rotary, meta)
     return MLAStep(cos, sin, meta.new_token_slots(), decode, prefills, interleave)
 
 
@@ -208,6 +223,18 @@ class MLAttention(nn.Module):
 
     def _absorbed(self, q_nope, q_pe, cache: PagedPool, batch: DecodeBatch) -> torch.Tensor:
         """[R, H, v] for one query per request: scores q_nope W_UK . c + q_pe . k_pe, output (p c) W_UV^T."""
+        if batch_invariant_enabled():  # each query alone, over exactly its own context
+            return torch.cat([self._absorbed_batch(q_nope[r:r + 1], q_pe[r:r + 1], cache,
+                                                   DecodeBatch(batch.rows[r:r + 1], *self._own(batch, r)))
+                              for r in range(q_nope.shape[0])])
+        return self._absorbed_batch(q_nope, q_pe, cache, batch)
+
+    @staticmethod
+    def _own(batch: DecodeBatch, r: int) -> tuple[torch.Tensor, torch.Tensor]:
+        n = int(batch.valid[r].sum())
+        return batch.slots[r:r + 1, :n], batch.valid[r:r + 1, :n]
+
+    def _absorbed_batch(self, q_nope, q_pe, cache: PagedPool, batch: DecodeBatch) -> torch.Tensor:
         w_uk, w_uv = self._w_kv_b()
         q = torch.cat([torch.einsum("rhd,hdc->rhc", q_nope, w_uk), q_pe], dim=-1)
         # padded slots may hold anything (even NaN): zero them so masked probabilities stay exact zeros
@@ -385,6 +412,7 @@ class DeepseekV3ForCausalLM(nn.Module):
         self._kv: list[PagedPool] = []
         self._mtp_kv: list[PagedPool] = []
         self.kv_cache_dtype = "auto"  # storage of the latent pools: auto (model dtype) | fp8 | int8
+        self.batch_invariant_kernels = True  # attention honours layers.batch_invariant
 
     @property
     def cache_width(self) -> int:

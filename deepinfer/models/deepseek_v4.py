@@ -16,6 +16,7 @@ from torch import nn
 
 from deepinfer.config import CSA, SLIDING, ModelConfig
 from deepinfer.layers.attention import sink_attention
+from deepinfer.layers.batch_invariant import batch_invariant_enabled
 from deepinfer.layers.kv_quant import PagedPool, is_quantised, storage_dtype
 from deepinfer.layers.metadata import CacheTensorSpec, ForwardMeta
 from deepinfer.layers.moe import routed_experts, swiglu
@@ -110,12 +111,25 @@ class Indexer(nn.Module):
         q = self.wq_b(qr).view(-1, self.n_heads, self.head_dim)
         q = rotate_tail(q, *ctx.rope["compress"])
         keys = pool.read(plan.query_entries)  # [T, E, d]
-        scores = F.relu(torch.einsum("thd,ted->the", q.float(), keys.float())) * self.head_dim**-0.5
         weights = self.weights_proj(x).float() * self.n_heads**-0.5
-        scores = (scores * weights[..., None]).sum(dim=1).masked_fill(~plan.query_valid, float("-inf"))
+        if batch_invariant_enabled():
+            scores = self._scores_per_token(q, keys, weights, plan.query_valid)
+        else:
+            scores = F.relu(torch.einsum("thd,ted->the", q.float(), keys.float())) * self.head_dim**-0.5
+            scores = (scores * weights[..., None]).sum(dim=1)
+        scores = scores.masked_fill(~plan.query_valid, float("-inf"))
         k = min(self.topk, scores.shape[1])
         order = torch.sort(scores, dim=1, descending=True, stable=True).indices[:, :k]
         return order, plan.query_valid.gather(1, order)
+
+    def _scores_per_token(self, q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor,
+                          valid: torch.Tensor) -> torch.Tensor:
+        """Index scores [T, E], each query over exactly its own valid entries (batch-invariant mode)."""
+        scores = keys.new_zeros(keys.shape[:2], dtype=torch.float32)
+        for t in range(q.shape[0]):
+            own = F.relu(q[t].float() @ keys[t][valid[t]].float().t()) * self.head_dim**-0.5
+            scores[t, valid[t]] = (own * weights[t, :, None]).sum(dim=0)
+        return scores
 
 
 class Attention(nn.Module):
@@ -339,6 +353,7 @@ class DeepseekV4ForCausalLM(nn.Module):
         super().__init__()
         self.config, self.dtype = config, dtype
         self.kv_cache_dtype = "auto"  # storage of the paged pools: auto (model dtype) | fp8 | int8
+        self.batch_invariant_kernels = True  # attention and indexer honour layers.batch_invariant
         self.num_lookahead_tokens = 0  # how many computed tokens may later be rolled back (speculation)
         self.embed = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(Block(config, i) for i in range(config.num_layers))

@@ -58,7 +58,8 @@ def settings_from(args: argparse.Namespace, path: Path, bundled: bool) -> Server
         if getattr(args, flag) < 1:
             raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
     return ServerSettings(model_name=name, api_key=api_key, max_queue=args.max_queue, max_n=args.max_n,
-                          max_body_bytes=args.max_body_bytes)
+                          max_body_bytes=args.max_body_bytes,
+                          grammar_timeout_s=getattr(args, "grammar_compile_timeout_s", 30.0))
 
 
 def run_server(args: argparse.Namespace) -> int:

@@ -39,6 +39,8 @@ class ChatMessage(_Body):
     content: str | list[TextPart] | None = None
     name: str | None = None
     reasoning_content: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant turn's calls, as OpenAI returned them
+    tool_call_id: str | None = None  # a tool result's call
 
     def template_dict(self) -> dict[str, Any]:
         """The message as the chat template sees it: content parts joined into one string."""
@@ -46,6 +48,42 @@ class ChatMessage(_Body):
         if isinstance(self.content, list):
             data["content"] = "".join(part.text or "" for part in self.content)
         return data
+
+
+class JsonSchemaFormat(_Body):
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False, populate_by_name=True)
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | bool | None = Field(None, alias="schema")
+    strict: bool | None = None  # outputs always follow the schema strictly (no properties it does not name)
+
+
+class ResponseFormat(_Body):
+    type: str  # text | json_object | json_schema
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsField(_Body):
+    """vLLM's `structured_outputs` extra: exactly one constraint."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, populate_by_name=True)
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    json_object: bool | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+
+
+class FunctionDefinition(_Body):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(_Body):
+    type: str = "function"
+    function: FunctionDefinition
 
 
 class _SamplingFields(_Body):
@@ -72,6 +110,13 @@ class _SamplingFields(_Body):
     user: str | None = None
     priority: BoundedInt = 0
     return_tokens_as_token_ids: bool = False  # vLLM: logprob tokens read "token_id:<id>"
+    # Structured outputs: OpenAI's response_format, vLLM's structured_outputs and its older guided_* names.
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsField | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     @property
     def include_usage(self) -> bool:
@@ -86,6 +131,9 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: BoundedInt | None = None
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: str | dict[str, Any] | None = None  # auto | none | required | {"type": "function", ...}
+    parallel_tool_calls: bool = True
 
     @property
     def output_limit(self) -> int | None:

@@ -42,6 +42,11 @@ class ReasoningStream:
         self._at_start = True  # a leading <think> may still be arriving
         self._in_content = False
 
+    @property
+    def in_content(self) -> bool:
+        """`</think>` has come: everything from now on is content."""
+        return self._in_content
+
     def feed(self, delta: str, final: bool = False) -> tuple[str, str]:
         """(reasoning delta, content delta) for `delta`; `final` flushes everything held back."""
         if self._in_content:

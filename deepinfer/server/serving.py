@@ -40,6 +40,9 @@ from deepinfer.server.protocol import (
     TokenizeRequest,
 )
 from deepinfer.server.reasoning import ReasoningStream, split_reasoning, thinking_enabled
+from deepinfer.server.structured import GrammarChecker, check_spec, request_spec
+from deepinfer.server.tools import ToolCallStream, ToolSetup, openai_calls, parse_tool_calls, tool_setup
+from deepinfer.structured.params import StructuredOutputsParams
 
 logger = logging.getLogger("deepinfer")
 
@@ -58,6 +61,7 @@ class ServerSettings:
     max_n: int = 16
     max_body_bytes: int = 16 * 2**20
     retry_after_s: int = 1
+    grammar_timeout_s: float = 30.0  # a structured-output constraint that does not build in time is a 400
 
 
 class Admission:
@@ -128,6 +132,7 @@ class Choice:
     detok: IncrementalDetokenizer
     logprobs: list | None  # kept (ids, logprobs, rank) entries when logprobs were asked for
     reasoning: ReasoningStream | None = None  # streaming chat with thinking on
+    tools: ToolCallStream | None = None  # streaming chat with tools
     finish_reason: str | None = None
     stop_reason: int | str | None = None
 
@@ -247,8 +252,9 @@ class Job:
     """One HTTP request: its generations (one per prompt), choices, usage and timing."""
 
     def __init__(self, serving: Serving, request_id: str, prompts: list[Prompt], params: SamplingParams,
-                 priority: int, stream: bool):
+                 priority: int, stream: bool, tools: ToolSetup | None = None):
         self.serving, self.request_id, self.prompts = serving, request_id, prompts
+        self.tools = tools if tools is not None and tools.active else None  # parse outputs for tool calls
         self.params, self.priority, self.stream = params, priority, stream
         self.created = int(time.time())
         self.timer = RequestTimer(serving.metrics)
@@ -259,7 +265,8 @@ class Job:
     def new_choice(self, index: int, prompt: Prompt) -> Choice:
         detok = IncrementalDetokenizer(self.serving.decoder, prompt.token_ids, self.params)
         reasoning = ReasoningStream() if prompt.thinking and self.stream else None
-        return Choice(index, detok, [] if self.params.logprobs is not None else None, reasoning)
+        tools = ToolCallStream() if self.tools is not None and self.stream else None
+        return Choice(index, detok, [] if self.params.logprobs is not None else None, reasoning, tools)
 
     async def updates(self) -> AsyncIterator[Update]:
         async with contextlib.aclosing(_merge([g.updates() for g in self.generations])) as merged:
@@ -354,7 +361,15 @@ class Serving:
         self.client, self.tokenizer, self.settings, self.metrics = client, tokenizer, settings, metrics
         self.decoder = tokenizer if tokenizer is not None else _NoText()
         self.admission = Admission(settings.max_queue, settings.retry_after_s)
+        self._grammar_checker: GrammarChecker | None = None
         self._pieces: dict[int, str] = {}
+
+    @property
+    def grammar_checker(self) -> GrammarChecker:
+        if self._grammar_checker is None:
+            ready = self.client.ready
+            self._grammar_checker = GrammarChecker(self.tokenizer, ready.vocab_size, list(ready.eos_token_ids))
+        return self._grammar_checker
 
     @property
     def max_model_len(self) -> int:
@@ -394,7 +409,8 @@ class Serving:
                               f"max_tokens {max_tokens} were requested", param="max_tokens")
 
     # --- sampling parameters ---------------------------------------------------------------------
-    def sampling_params(self, req, max_tokens: int | None, echo_logprobs: bool = False) -> SamplingParams:
+    def sampling_params(self, req, max_tokens: int | None, echo_logprobs: bool = False,
+                        structured: StructuredOutputsParams | None = None) -> SamplingParams:
         """SamplingParams for `req`; every invalid value is a 400 naming the problem."""
         self._check_limits(req)
         stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
@@ -405,7 +421,8 @@ class Serving:
                                   ignore_eos=req.ignore_eos, min_tokens=req.min_tokens, logprobs=num,
                                   prompt_logprobs=num if echo_logprobs else None,
                                   skip_special_tokens=req.skip_special_tokens,
-                                  include_stop_str_in_output=req.include_stop_str_in_output, **chosen)
+                                  include_stop_str_in_output=req.include_stop_str_in_output,
+                                  structured_outputs=structured, **chosen)
         except ValueError as e:
             raise bad_request(str(e)) from None
 
@@ -437,11 +454,13 @@ class Serving:
     async def chat(self, req: ChatCompletionRequest, request: Request) -> Response:
         self.check_request(req.model)
         tok = self._require_tokenizer("chat")
-        text = render_chat(tok, req.messages, req.add_generation_prompt, req.chat_template_kwargs)
+        tools = tool_setup(req)
+        kwargs = {**(req.chat_template_kwargs or {}), **({"tools": tools.tools} if tools.active else {})}
+        text = render_chat(tok, req.messages, req.add_generation_prompt, kwargs)
         prompt = Prompt(text, _encode(tok, text, add_special_tokens=False), thinking_enabled(text))
         self._check_prompt(prompt.token_ids, req.output_limit)
-        params = self.sampling_params(req, req.output_limit)
-        job = Job(self, f"chatcmpl-{uuid.uuid4().hex}", [prompt], params, req.priority, req.stream)
+        params = await self._structured_params(req, req.output_limit, prompt.thinking, tools)
+        job = Job(self, f"chatcmpl-{uuid.uuid4().hex}", [prompt], params, req.priority, req.stream, tools)
         return await self.respond(request, job, ChatShape(self, req))
 
     # --- completions -----------------------------------------------------------------------------
@@ -452,9 +471,22 @@ class Serving:
         prompts = self._completion_prompts(req.prompt)
         for p in prompts:
             self._check_prompt(p.token_ids, req.max_tokens)
-        params = self.sampling_params(req, req.max_tokens, echo_logprobs=req.echo and req.logprobs is not None)
+        spec = request_spec(req, thinking=False)
+        await check_spec(spec, self.grammar_checker, self.settings.grammar_timeout_s)
+        params = self.sampling_params(req, req.max_tokens, echo_logprobs=req.echo and req.logprobs is not None,
+                                      structured=spec)
         job = Job(self, f"cmpl-{uuid.uuid4().hex}", prompts, params, req.priority, req.stream)
         return await self.respond(request, job, CompletionShape(self, req))
+
+    async def _structured_params(self, req, max_tokens: int | None, thinking: bool,
+                                 tools: ToolSetup) -> SamplingParams:
+        try:
+            forced = tools.constraint(self.tokenizer)
+        except ValueError as e:
+            raise bad_request(f"the tools cannot be constrained: {e}", param="tools") from None
+        spec = request_spec(req, thinking, forced)
+        await check_spec(spec, self.grammar_checker, self.settings.grammar_timeout_s, "tools" if forced else None)
+        return self.sampling_params(req, max_tokens, structured=spec)
 
     def _completion_prompts(self, prompt) -> list[Prompt]:
         """str | list[str] | list[int] | list[list[int]] -> one Prompt per engine request."""
@@ -554,8 +586,15 @@ class ChatShape(_Shape):
         message: dict[str, Any] = {"role": "assistant", "content": choice.detok.output_text}
         if job.prompts[0].thinking:
             message["reasoning_content"], message["content"] = split_reasoning(choice.detok.output_text)
+        finish_reason = choice.finish_reason
+        if job.tools is not None and message["content"] is not None:
+            content, calls = parse_tool_calls(message["content"])
+            calls = openai_calls(calls)
+            if calls:
+                message["content"], message["tool_calls"] = content or None, calls
+                finish_reason = "tool_calls" if finish_reason == "stop" else finish_reason
         return {"index": choice.index, "message": message, "logprobs": self._logprobs(choice.logprobs),
-                "finish_reason": choice.finish_reason, "stop_reason": choice.stop_reason}
+                "finish_reason": finish_reason, "stop_reason": choice.stop_reason}
 
     def opening(self, job: Job) -> Iterator[dict[str, Any]]:
         for choice in job.choices:
@@ -569,15 +608,27 @@ class ChatShape(_Shape):
             return None
         choice = update.choice
         return {"index": choice.index, "delta": delta, "logprobs": self._logprobs(update.logprobs),
-                "finish_reason": choice.finish_reason if update.finished else None,
+                "finish_reason": self._finish_reason(choice) if update.finished else None,
                 **({"stop_reason": choice.stop_reason} if update.finished else {})}
 
     @staticmethod
-    def _delta(update: Update) -> dict[str, str]:
-        if update.choice.reasoning is None:
-            return {"content": update.text} if update.text else {}
-        reasoning, content = update.choice.reasoning.feed(update.text, final=update.finished)
-        return {k: v for k, v in (("reasoning_content", reasoning), ("content", content)) if v}
+    def _finish_reason(choice: Choice) -> str | None:
+        """"tool_calls" only when the choice stopped after emitting at least one call."""
+        called = choice.tools is not None and choice.tools.num_calls > 0
+        return "tool_calls" if called and choice.finish_reason == "stop" else choice.finish_reason
+
+    @staticmethod
+    def _delta(update: Update) -> dict[str, Any]:
+        choice = update.choice
+        reasoning, content = "", update.text
+        if choice.reasoning is not None:
+            reasoning, content = choice.reasoning.feed(update.text, final=update.finished)
+        calls = []
+        if choice.tools is not None and (content or update.finished) and (choice.reasoning is None
+                                                                           or choice.reasoning.in_content):
+            content, calls = choice.tools.feed(content, final=update.finished)
+        delta: dict[str, Any] = {k: v for k, v in (("reasoning_content", reasoning), ("content", content)) if v}
+        return {**delta, "tool_calls": calls} if calls else delta
 
     def _logprobs(self, entries: list | None) -> dict[str, Any] | None:
         if entries is None or self.req.num_logprobs is None:

@@ -10,7 +10,7 @@ import torch
 
 from deepinfer.engine.kv_cache import ForkCopy
 from deepinfer.engine.outputs import RunnerOutput, ScheduledRequest, SchedulerOutput
-from deepinfer.layers.batch_invariant import forward_per_token, position_seed
+from deepinfer.layers.batch_invariant import batch_invariant, forward_per_token, position_seed
 from deepinfer.layers.metadata import CacheTensorSpec, ForwardMeta
 from deepinfer.spec.base import ProposeBatch, ProposeItem, Proposer
 from deepinfer.worker.rejection import verify_greedy, verify_random
@@ -110,7 +110,10 @@ class ModelRunner:
     def _logits(self, meta: ForwardMeta, rows: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Logits of `rows`, and the target state the proposer drafts from (if it needs any)."""
         if self.deterministic:  # never with speculation (EngineArgs rejects the combination)
-            return forward_per_token(self.model, meta, rows), None
+            if not getattr(self.model, "batch_invariant_kernels", False):
+                return forward_per_token(self.model, meta, rows), None
+            with batch_invariant():
+                return self.model.compute_logits(self.model(meta)[meta.logits_indices]), None
         kind = self.proposer.hidden_kind if self.proposer is not None else ""
         if kind == "mtp":
             hidden, draft_input = self.model(meta, return_mtp_input=True)
@@ -203,16 +206,21 @@ class ModelRunner:
             positions.append(positions[parent_pos[fork.parent_id]])
         if not requests:
             return
+        grammar = out.grammar_bitmask.result() if out.grammar_bitmask is not None else None
         if self.deterministic:
             for i, req in enumerate(requests):
                 self._sample_rows([req], logits[rows[i]:rows[i] + 1], [outputs[i]],
-                                  [self._position_generator(req, positions[i])], result)
+                                  [self._position_generator(req, positions[i])], result, grammar)
             return
-        self._sample_rows(requests, logits[self._long(rows)], outputs, [r.generator for r in requests], result)
+        self._sample_rows(requests, logits[self._long(rows)], outputs, [r.generator for r in requests], result,
+                          grammar)
 
-    def _sample_rows(self, requests, logits: torch.Tensor, outputs, generators, result: RunnerOutput) -> None:
+    def _sample_rows(self, requests, logits: torch.Tensor, outputs, generators, result: RunnerOutput,
+                     grammar: tuple[list[str], torch.Tensor] | None = None) -> None:
         batch = SamplingBatch.build([r.params for r in requests], [r.prompt_token_ids for r in requests], outputs,
                                     generators, self.eos_token_ids, self.vocab_size, self.device)
+        if grammar is not None:
+            self._add_grammar(batch, requests, *grammar)
         self._record(requests, self.sampler(logits, batch), result)
 
     def _position_generator(self, req, position: int) -> torch.Generator | None:
@@ -272,6 +280,15 @@ class ModelRunner:
         max_drafts = max(min(held - last, remaining - 1), 0) if new else 0
         return ProposeItem(rid, history, s.start, valid, list(range(first_row, first_row + valid)), s.block_ids,
                            s.state_slot, s.write_from, max_drafts)
+
+    def _add_grammar(self, batch: SamplingBatch, requests: list, request_ids: list[str], bitmask: torch.Tensor):
+        """Row k of `bitmask` constrains request `request_ids[k]`; only the rows of those among `requests`
+        are masked."""
+        row_of = {r.request_id: i for i, r in enumerate(requests)}
+        picked = [(row_of[rid], k) for k, rid in enumerate(request_ids) if rid in row_of]
+        if picked:
+            batch.grammar_rows = self._long([row for row, _ in picked])
+            batch.grammar_bitmask = bitmask[[k for _, k in picked]].to(self.device, non_blocking=True)
 
     @staticmethod
     def _record(requests, sampled, result: RunnerOutput) -> None:

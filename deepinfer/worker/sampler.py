@@ -67,6 +67,10 @@ class SamplingBatch:
     any_top_k: bool
     any_top_p: bool
     max_num_logprobs: int | None  # None: no row asked for logprobs
+    # Structured outputs: rows [K] whose tokens are constrained, and their int32 bitmask [K, ceil(V/32)]
+    # (bit j of word w allows token 32 w + j). None on batches without constraints (they pay nothing).
+    grammar_rows: torch.Tensor | None = None
+    grammar_bitmask: torch.Tensor | None = None
 
     @property
     def num_rows(self) -> int:
@@ -186,6 +190,14 @@ def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     return logits
 
 
+def apply_token_bitmask(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """In place: tokens whose bit is 0 get -inf on the constrained rows."""
+    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    allowed = ((bitmask.unsqueeze(-1) >> shifts) & 1).bool().flatten(1)[:, : logits.shape[-1]]
+    logits[rows] = logits[rows].masked_fill_(~allowed, _NEG_INF)
+    return logits
+
+
 def apply_min_tokens(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     if batch.suppress_rows is not None:
         logits[batch.suppress_rows, batch.suppress_tokens] = _NEG_INF
@@ -284,7 +296,9 @@ class Sampler:
         return SamplerOutput(sampled, gather_logprobs(raw_logprobs, sampled, batch.max_num_logprobs))
 
     def process(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-        """In place: penalties and min_tokens suppression (shared by greedy and random rows)."""
+        """In place: grammar masks, penalties and min_tokens suppression (shared by greedy and random rows)."""
+        if batch.grammar_rows is not None:
+            apply_token_bitmask(logits, batch.grammar_rows, batch.grammar_bitmask)
         if batch.any_penalties:
             apply_penalties(logits, batch)
         return apply_min_tokens(logits, batch)

@@ -1,0 +1,206 @@
+"""Tool calling in DeepSeek's format (V3.1 chat template, and the bundled model's):
+
+    <｜tool▁calls▁begin｜><｜tool▁call▁begin｜>NAME<｜tool▁sep｜>ARGUMENTS-JSON<｜tool▁call▁end｜>...<｜tool▁calls▁end｜>
+
+The parser also reads V3 / R1's variant of a call:
+
+    <｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME\n```json\nARGUMENTS-JSON\n```<｜tool▁call▁end｜>
+
+`tool_setup` checks `tools` / `tool_choice` (400 on bad input) and, for `required` or a named function,
+gives the structural-tag constraint that forces that format with arguments matching each function's
+parameter schema. `parse_tool_calls` / `ToolCallStream` turn model output into OpenAI `tool_calls`.
+
+Invariant (tested): for every way of cutting a text into deltas, the ToolCallStream deltas concatenate to
+the content and the calls of `parse_tool_calls(text)`.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from deepinfer.server.errors import bad_request
+from deepinfer.server.reasoning import _partial_suffix
+from deepinfer.structured.params import check_json_schema
+
+CALLS_BEGIN, CALLS_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
+CALL_BEGIN, CALL_END, SEP = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>"
+_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # OpenAI's rule for function names
+
+
+@dataclass
+class ToolSetup:
+    tools: list[dict[str, Any]]  # OpenAI function tools
+    choice: str | dict[str, Any]  # auto | none | required | {"type": "function", "function": {"name": ...}}
+    parallel: bool = True
+
+    @property
+    def active(self) -> bool:
+        """Tools are shown to the model and its output is parsed for calls."""
+        return bool(self.tools) and self.choice != "none"
+
+    @property
+    def forced(self) -> bool:
+        return self.active and self.choice != "auto"
+
+    def constraint(self, tokenizer) -> dict[str, str] | None:
+        """`required` / a named function: a structural tag forcing the call format, with each function's
+        arguments following its parameter schema (at most one whitespace character between JSON tokens,
+        so a model cannot pad its way to max_tokens). Markers are matched as their single tokens, never
+        spelled out in text."""
+        if not self.forced:
+            return None
+        ids = {m: tokenizer.token_to_id(m) for m in (CALLS_BEGIN, CALLS_END, CALL_BEGIN, CALL_END, SEP)}
+        if None in ids.values():
+            raise ValueError("this model's tokenizer has no DeepSeek tool-call tokens")
+        token = lambda marker: {"type": "token", "token": ids[marker]}
+        named = self.choice["function"]["name"] if isinstance(self.choice, dict) else None
+        calls = [_call_format(t["function"], token) for t in self.tools if named in (None, t["function"]["name"])]
+        body = calls[0] if len(calls) == 1 else {"type": "or", "elements": calls}
+        if self.parallel and named is None:
+            body = {"type": "plus", "content": body}
+        tag = {"type": "structural_tag", "format": {"type": "sequence", "elements": [
+            token(CALLS_BEGIN), body, token(CALLS_END)]}}
+        return {"structural_tag": json.dumps(tag, ensure_ascii=False)}
+
+
+def _call_format(function: dict[str, Any], token) -> dict[str, Any]:
+    schema = function.get("parameters") or {"type": "object"}
+    return {"type": "sequence", "elements": [
+        token(CALL_BEGIN), {"type": "const_string", "value": function["name"]}, token(SEP),
+        {"type": "json_schema", "json_schema": schema, "max_whitespace_cnt": 1}, token(CALL_END)]}
+
+
+def _check_tool(i: int, tool) -> dict[str, Any]:
+    if tool.type != "function":
+        raise bad_request(f"tools[{i}].type must be 'function', got {tool.type!r}", param="tools")
+    if not _NAME.match(tool.function.name):
+        raise bad_request(f"tools[{i}].function.name must match [A-Za-z0-9_-]{{1,64}}, got {tool.function.name!r}",
+                          param="tools")
+    if tool.function.parameters is not None:
+        try:
+            check_json_schema(tool.function.parameters)
+        except ValueError as e:
+            raise bad_request(f"tools[{i}].function.parameters: {e}", param="tools") from None
+    return tool.model_dump(exclude_none=True)
+
+
+def _check_choice(choice, names: list[str]) -> str | dict[str, Any]:
+    if choice is None:
+        return "auto" if names else "none"
+    if isinstance(choice, str):
+        if choice not in ("auto", "none", "required"):
+            raise bad_request(f"tool_choice must be auto, none, required or a function, got {choice!r}",
+                              param="tool_choice")
+        if choice == "required" and not names:
+            raise bad_request("tool_choice 'required' needs tools", param="tool_choice")
+        return choice
+    name = (choice.get("function") or {}).get("name") if choice.get("type") == "function" else None
+    if not isinstance(name, str):
+        raise bad_request("tool_choice must be {'type': 'function', 'function': {'name': ...}}", param="tool_choice")
+    if name not in names:
+        raise bad_request(f"tool_choice names function {name!r}, which is not among the tools", param="tool_choice")
+    return {"type": "function", "function": {"name": name}}
+
+
+def tool_setup(req) -> ToolSetup:
+    tools = [_check_tool(i, t) for i, t in enumerate(req.tools or [])]
+    names = [t["function"]["name"] for t in tools]
+    if len(set(names)) != len(names):
+        raise bad_request("tool function names must be unique", param="tools")
+    return ToolSetup(tools, _check_choice(req.tool_choice, names), req.parallel_tool_calls)
+
+
+# --- parsing -------------------------------------------------------------------------------------
+@dataclass
+class ParsedCall:
+    name: str | None  # None while the name is still arriving
+    arguments: str
+    complete: bool  # its end marker came
+
+
+def parse_tool_calls(text: str, final: bool = True) -> tuple[str, list[ParsedCall]]:
+    """(content before the tool-call block, calls in it). Not final: text that may be the start of a
+    marker is held back. Text after the block is not content (the format has none)."""
+    head, found, rest = text.partition(CALLS_BEGIN)
+    if not found:
+        return head[: len(head) - (0 if final else _partial_suffix(head, CALLS_BEGIN))], []
+    calls = []
+    for chunk in rest.split(CALLS_END, 1)[0].split(CALL_BEGIN)[1:]:
+        name, sep, args = chunk.partition(SEP)
+        if not sep:
+            calls.append(ParsedCall(None, "", False))
+            continue
+        args, end, _ = args.partition(CALL_END)
+        if name.strip() == "function":
+            calls.append(_fenced_call(args, bool(end), final))
+            continue
+        if not end and not final:
+            args = args[: len(args) - _partial_suffix(args, CALL_END)]
+        calls.append(ParsedCall(name.strip(), args, bool(end)))
+    return head, calls
+
+
+_FENCE_OPEN, _FENCE_CLOSE = "```json\n", "\n```"
+
+
+def _fenced_call(body: str, complete: bool, final: bool) -> ParsedCall:
+    """V3 / R1: NAME, a newline, then the arguments in a ```json fence. Not final: a partial fence or end
+    marker is held back, so streamed arguments never include what the final parse drops."""
+    name, newline, rest = body.partition("\n")
+    if not newline and not (complete or final):
+        return ParsedCall(None, "", False)
+    if not (complete or final) and _FENCE_OPEN.startswith(rest):
+        return ParsedCall(name.strip(), "", False)
+    rest = rest.removeprefix(_FENCE_OPEN)
+    if complete or final:
+        return ParsedCall(name.strip(), rest.removesuffix(_FENCE_CLOSE), complete)
+    return ParsedCall(name.strip(), rest[: len(rest) - _partial_suffix(rest, _FENCE_CLOSE + CALL_END)], False)
+
+
+def new_call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+def openai_calls(calls: list[ParsedCall]) -> list[dict[str, Any]]:
+    """Complete calls in OpenAI's shape; arguments are the model's JSON text."""
+    return [{"id": new_call_id(), "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+            for c in calls if c.complete and c.name]
+
+
+@dataclass
+class ToolCallStream:
+    """Incremental parse for streaming: content deltas, then OpenAI tool-call deltas (the first delta of a
+    call carries its id and name; later ones append to its arguments)."""
+
+    text: str = ""
+    content_sent: int = 0
+    sent: list[list] = field(default_factory=list)  # per call: [id, arguments chars sent]
+
+    @property
+    def num_calls(self) -> int:
+        return len(self.sent)
+
+    def feed(self, delta: str, final: bool = False) -> tuple[str, list[dict[str, Any]]]:
+        self.text += delta
+        content, calls = parse_tool_calls(self.text, final)
+        content_delta, self.content_sent = content[self.content_sent:], max(self.content_sent, len(content))
+        deltas = []
+        for i, call in enumerate(calls):
+            if call.name is None:
+                break
+            fresh = i == len(self.sent)
+            if fresh:
+                self.sent.append([new_call_id(), 0])
+            new_args = call.arguments[self.sent[i][1]:]
+            self.sent[i][1] = max(self.sent[i][1], len(call.arguments))
+            if fresh:
+                deltas.append({"index": i, "id": self.sent[i][0], "type": "function",
+                               "function": {"name": call.name, "arguments": new_args}})
+            elif new_args:
+                deltas.append({"index": i, "function": {"arguments": new_args}})
+        return content_delta, deltas
+

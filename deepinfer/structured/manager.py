@@ -1,0 +1,173 @@
+"""Engine side of structured outputs: compile on admission in a thread pool (with a compiled-grammar
+cache keyed by the spec and a time limit), one matcher per request (per sample with n > 1), and the
+token bitmask of a step, filled on a worker thread while the forward runs.
+
+Invariants:
+- a request's matcher has accepted exactly its output tokens after the reasoning gate (the `</think>`
+  token itself is not fed), so preemption (recompute) and prefix-cache hits leave it consistent: they
+  recompute cache entries, never outputs;
+- `rollback(k)` undoes the last k observed tokens exactly (speculative decoding rejects drafts with it);
+- the bitmask is only read by the sampler after `result()`, and matchers only advance in the scheduler's
+  update, after sampling: the fill thread and the engine loop never touch a matcher at the same time.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+
+from deepinfer.structured import backend
+from deepinfer.structured.params import StructuredOutputsParams
+
+logger = logging.getLogger("deepinfer")
+
+THINK_END = "</think>"
+
+
+class RequestGrammar:
+    """One sample's matcher state. `ready()` is non-blocking; the scheduler admits the request once it
+    is True and `error` is None."""
+
+    def __init__(self, spec: StructuredOutputsParams, compiled: Future, timeout_s: float, think_end_id: int | None):
+        self.spec, self._compiled = spec, compiled
+        self.deadline = time.monotonic() + timeout_s
+        self.timeout_s = timeout_s
+        self.think_end_id = think_end_id
+        self.matcher = None
+        self.error: str | None = None
+        self.num_observed = 0  # output tokens seen (fed or not)
+        # Observed-token count at which the constraint started; None while the model is still reasoning.
+        self.gate: int | None = 0 if not spec.after_reasoning or think_end_id is None else None
+
+    def ready(self) -> bool:
+        if self.matcher is not None or self.error is not None:
+            return True
+        if self._compiled.done():
+            try:
+                self.matcher = backend.new_matcher(self._compiled.result())
+            except Exception as e:
+                self.error = f"the {self.spec.kind} constraint failed to compile: {e}"
+            return True
+        if time.monotonic() > self.deadline:
+            self.error = f"the {self.spec.kind} constraint did not compile within {self.timeout_s:g} s"
+            return True
+        return False
+
+    @property
+    def constrains_next(self) -> bool:
+        """The next sampled token must be masked."""
+        return self.gate is not None and self.ready() and self.error is None and not self.matcher.is_terminated()
+
+    @property
+    def terminated(self) -> bool:
+        return self.matcher is not None and self.matcher.is_terminated()
+
+    def accept(self, token: int) -> bool:
+        """Advance by one sampled token; False when the grammar rejects it (state unchanged)."""
+        if self.gate is None:
+            self.num_observed += 1
+            if token == self.think_end_id:
+                self.gate = self.num_observed
+            return True
+        if self.matcher.is_terminated() or not self.matcher.accept_token(token):
+            return False
+        self.num_observed += 1
+        return True
+
+    def rollback(self, k: int) -> None:
+        """Forget the last k accepted tokens (a rejected `</think>` closes the gate again)."""
+        if not 0 <= k <= self.num_observed:
+            raise ValueError(f"cannot roll back {k} of {self.num_observed} tokens")
+        target = self.num_observed - k
+        if self.gate is not None:
+            fed, keep = self.num_observed - self.gate, max(target - self.gate, 0)
+            if fed > keep:
+                self.matcher.rollback(fed - keep)
+            if target < self.gate:  # the `</think>` that opened the gate is rolled back too
+                self.gate = None
+        self.num_observed = target
+
+    def valid_prefix(self, tokens: Sequence[int]) -> int:
+        """How many leading `tokens` the grammar accepts (state unchanged): the draft tokens speculative
+        decoding may keep."""
+        n = 0
+        for t in tokens:
+            if not self.accept(t):
+                break
+            n += 1
+        self.rollback(n)
+        return n
+
+
+class StructuredOutputManager:
+    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: Sequence[int], timeout_s: float = 30.0,
+                 max_workers: int = 2, cache_size: int = 256):
+        self.vocab_size, self.timeout_s, self.cache_size = vocab_size, timeout_s, cache_size
+        self.compiler = backend.Compiler(backend.tokenizer_info(tokenizer, vocab_size, list(stop_token_ids)),
+                                         max_threads=max_workers)
+        self.think_end_id = tokenizer.token_to_id(THINK_END)
+        self._grammars: OrderedDict[tuple, object] = OrderedDict()
+        self._compiled: OrderedDict[tuple, Future] = OrderedDict()
+        self._compile_pool = ThreadPoolExecutor(max_workers, thread_name_prefix="deepinfer-grammar")
+        self._fill_pool = ThreadPoolExecutor(1, thread_name_prefix="deepinfer-bitmask")
+        self.num_compiles = 0
+
+    # --- admission -------------------------------------------------------------------------------
+    def validate(self, spec: StructuredOutputsParams):
+        """The spec's grammar (cached by spec), or ValueError with the reason."""
+        key = spec.key()
+        if key in self._grammars:
+            self._grammars.move_to_end(key)
+            return self._grammars[key]
+        grammar = backend.build_grammar(spec)
+        self._remember(self._grammars, key, grammar)
+        return grammar
+
+    def request_state(self, spec: StructuredOutputsParams) -> RequestGrammar:
+        """A fresh matcher state; the grammar compiles in the pool unless the cache already has it."""
+        key = spec.key()
+        future = self._compiled.get(key)
+        if future is None:
+            grammar = self.validate(spec)
+            future = self._compile_pool.submit(self.compiler.compile, grammar)
+            self.num_compiles += 1
+            self._remember(self._compiled, key, future)
+        else:
+            self._compiled.move_to_end(key)
+        return RequestGrammar(spec, future, self.timeout_s, self.think_end_id)
+
+    def _remember(self, cache: OrderedDict, key: tuple, value) -> None:
+        cache[key] = value
+        while len(cache) > self.cache_size:
+            cache.popitem(last=False)
+
+    # --- one step --------------------------------------------------------------------------------
+    def fill_async(self, requests: Sequence) -> Future | None:
+        """Future of (request ids, int32 bitmask [K, ceil(V/32)]) for the requests among `requests` whose
+        next token is constrained; None (nothing to do, nothing paid) when there are none."""
+        constrained = _constrained(requests)
+        return self._fill_pool.submit(self._fill, constrained) if constrained else None
+
+    def fill(self, requests: Sequence) -> tuple[list[str], torch.Tensor] | None:
+        """The same, computed now on the calling thread."""
+        constrained = _constrained(requests)
+        return self._fill(constrained) if constrained else None
+
+    def _fill(self, requests: list) -> tuple[list[str], torch.Tensor]:
+        bitmask = backend.allocate_bitmask(len(requests), self.vocab_size)
+        for i, req in enumerate(requests):
+            req.grammar.matcher.fill_next_token_bitmask(bitmask, i)
+        return [r.request_id for r in requests], bitmask
+
+    def shutdown(self) -> None:
+        self._compile_pool.shutdown(wait=False, cancel_futures=True)
+        self._fill_pool.shutdown(wait=False)
+
+
+def _constrained(requests: Sequence) -> list:
+    return [r for r in requests if r.grammar is not None and r.grammar.constrains_next]
