@@ -408,3 +408,25 @@ def test_speculation_runs_synchronous_steps_and_rejects_deterministic_mode(v4_ck
     assert not llm.engine.args.async_scheduling and llm.engine._worker is None
     expected = _tokens(_tiny(v4_ckpt, None).generate(prompts[:2], params[:2], use_tqdm=False))
     assert _tokens(llm.generate(prompts[:2], params[:2], use_tqdm=False)) == expected
+
+
+def test_grammar_constrained_requests_decode_without_drafts_beside_speculating_ones():
+    """A regex-constrained request carries no drafts (its mask covers one position per step); the other
+    requests of the batch keep speculating, and every output equals the non-speculative engine's."""
+    params = [SamplingParams(temperature=0, max_tokens=24, structured_outputs={"regex": r"[a-z_]+\(\d{1,3}\)"}),
+              SamplingParams(**GREEDY, max_tokens=24)]
+    prompts = [CODE[0], CODE[1]]
+    expected = _tokens(_bundled(None).generate(prompts, params, use_tqdm=False))
+    llm = _bundled({"method": "ngram", "num_speculative_tokens": 3})
+    seen = []
+    schedule = llm.engine.scheduler.schedule
+
+    def spy():
+        out = schedule()
+        seen.extend((s.request.grammar is not None, s.num_drafts) for s in out.scheduled)
+        return out
+
+    llm.engine.scheduler.schedule = spy
+    assert _tokens(llm.generate(prompts, params, use_tqdm=False)) == expected
+    assert all(n == 0 for constrained, n in seen if constrained)
+    assert any(n > 0 for constrained, n in seen if not constrained)
