@@ -274,7 +274,10 @@ def test_gate_drafts_only_while_drafting_is_measured_faster():
     modes = [gate.choose(8) for _ in range(40)]  # steps 63..102: drafting now wins
     # plain decoding is probed at 86 (the doubled interval), then 10 steps later (the choice flipped)
     assert [i + 63 for i, m in enumerate(modes) if not m] == [86, 87, 98, 99]
-    assert gate.choose(64) is True  # another batch-size bucket is measured separately
+    assert gate.choose(64) is True  # an unmeasured batch size follows the nearest measured one
+    gate.record(64, True, 10.0)
+    gate.record(64, False, 20.0)
+    assert gate.choose(64) is False  # ... until it is measured itself
 
 
 def test_adaptive_scheduler_stops_drafting_when_plain_decoding_is_faster():

@@ -123,11 +123,22 @@ class SpeculationGate:
         self.steps += 1
         b = self.bucket(num_requests)
         on, off = self.rates.get((b, True)), self.rates.get((b, False))
-        if on is None or off is None:
-            return on is None  # measure drafting first, then plain decoding
-        best = on >= off
+        if on is not None and off is not None:
+            best = on >= off
+        else:  # an unmeasured batch size follows the nearest measured one (its other mode is probed)
+            best = self._nearest_choice(b)
+            if best is None:
+                return on is None  # nothing measured anywhere: drafting first, then plain decoding
         if self.steps >= self.next_probe + self.probe_len:  # a probe just ended
             self.period = min(2 * self.period, 1024) if best == self.last_best else self.probe_every
             self.last_best, self.next_probe = best, self.steps + self.period
         probing = self.next_probe <= self.steps < self.next_probe + self.probe_len
         return best != probing
+
+    def _nearest_choice(self, bucket: int) -> bool | None:
+        measured = sorted({b for b, _ in self.rates if (b, True) in self.rates and (b, False) in self.rates},
+                          key=lambda b: (abs(b - bucket), b))
+        if not measured:
+            return None
+        b = measured[0]
+        return self.rates[(b, True)] >= self.rates[(b, False)]
