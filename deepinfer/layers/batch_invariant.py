@@ -102,6 +102,8 @@ def _bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 def _padded_elementwise(func):
     def run(x: torch.Tensor, *args, **kwargs):
+        if x.is_contiguous() and x.numel() % VECTOR_PAD == 0 and x.numel():
+            return func(x, *args, **kwargs)  # no tail: every element is on the vectorised path already
         flat = x.reshape(-1)
         padded = torch.cat([flat, flat.new_zeros(-flat.numel() % VECTOR_PAD + VECTOR_PAD)])
         return func(padded, *args, **kwargs)[:flat.numel()].view(x.shape)
