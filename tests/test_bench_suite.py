@@ -172,3 +172,22 @@ def test_plot_refuses_mixed_sweeps(tmp_path):
     a = {"label": "a", "varied": "max_concurrency", "points": []}
     with pytest.raises(ValueError):
         plot_sweeps([a, dict(a, varied="request_rate")], tmp_path / "x.png")
+
+
+def test_bench_serve_reports_speculative_acceptance(tmp_path, capsys):
+    """Against a server that speculates (ngram), the run's accepted length comes from its /metrics."""
+    spec = '{"method": "ngram", "num_speculative_tokens": 3}'
+    server = ServerProcess(default_model_path(), tmp_path / "spec.log", "--speculative-config", spec)
+    try:
+        server.wait_ready()
+        result = tmp_path / "spec.json"
+        argv = ["bench", "serve", "--base-url", server.url, "--num-prompts", "4", "--random-input-len", "32",
+                "--random-output-len", "24", "--vocab-size", "4", "--result-json", str(result), "--no-progress"]
+        assert cli.main(argv) == 0, capsys.readouterr().err
+        assert "Spec decode mean accepted length" in capsys.readouterr().out
+    finally:
+        server.stop()
+    spec_stats = json.loads(result.read_text())["summary"]["spec_decode"]
+    assert spec_stats["drafts"] > 0 and spec_stats["draft_tokens"] >= spec_stats["drafts"]
+    assert 1.0 <= spec_stats["mean_accepted_length"] <= 4.0
+    assert len(spec_stats["per_position_acceptance"]) == 3

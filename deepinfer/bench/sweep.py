@@ -122,6 +122,8 @@ def plot_sweeps(docs: Sequence[dict], output: str | Path, title: str | None = No
             ax.plot(xs, _series(doc, ykey), marker="o", label=doc["label"])
         if xkey == "@varied" and all(math.isfinite(x) for d in docs for x in _x_values(d)):
             ax.set_xscale("log", base=2)
+        if ykey.startswith("ttft"):  # queueing makes TTFT span orders of magnitude across engines
+            ax.set_yscale("log")
         ax.set(xlabel=xlabel, ylabel=ylabel)
         ax.grid(True, alpha=0.3)
     axes[0].legend()
