@@ -108,9 +108,18 @@ def run_engine(engine: str, name: str, path: Path, logs: Path, quick: bool) -> d
     print(f"=== {name}: {engine}", flush=True)
     server = Server(engine, path, logs / f"{name}_{engine}.log").wait_ready()
     try:
-        return run_sweep(sweep_args(server.url, path, engine, quick))
+        return scrub_paths(run_sweep(sweep_args(server.url, path, engine, quick)), str(path), name)
     finally:
         server.stop()
+
+
+def scrub_paths(value, path: str, name: str):
+    """`value` with the checkpoint's local path replaced by its name (results name no local paths)."""
+    if isinstance(value, dict):
+        return {k: scrub_paths(v, path, name) for k, v in value.items()}
+    if isinstance(value, list):
+        return [scrub_paths(v, path, name) for v in value]
+    return value.replace(path, name) if isinstance(value, str) else value
 
 
 def checkpoints(tmp: Path) -> dict[str, Path]:
