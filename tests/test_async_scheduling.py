@@ -8,7 +8,7 @@ import asyncio
 
 import pytest
 import torch
-from tiny_models import make_reference, save_reference, write_tokenizer
+from tiny_models import fail_steps_scheduling, make_reference, save_reference, write_tokenizer
 
 from deepinfer import LLM, SamplingParams
 from deepinfer.config import EngineArgs, SchedulerConfig
@@ -150,14 +150,7 @@ def test_failed_forward_fails_its_requests_and_the_rest_run(ckpt, monkeypatch):
     queued behind it; a request admitted later runs normally; nothing leaks."""
     core = EngineCore(ckpt, EngineArgs(**dict(OPTIONS, max_num_seqs=1), async_scheduling=True,
                                        kv_cache_memory_bytes=32 * 2**20))
-    execute = core.runner.execute
-
-    def failing_execute(out):
-        if any(s.request.request_id == "bad" for s in out.scheduled):
-            raise RuntimeError("injected failure")
-        return execute(out)
-
-    monkeypatch.setattr(core.runner, "execute", failing_execute)
+    fail_steps_scheduling(monkeypatch, core.runner, "bad")
     loop = EngineLoop(core)
     params = params_to_dict(SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
     assert loop.add(AddRequest("bad", _prompt(7, 9), params)) is None

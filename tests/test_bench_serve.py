@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from test_server import ServerProcess, tiny_checkpoint
+from test_server import running_server, tiny_checkpoint
 
 from deepinfer import cli
 from deepinfer.bench.datasets import BenchRequest
@@ -18,9 +18,8 @@ NUM_PROMPTS, OUTPUT_LEN = 8, 6
 @pytest.fixture(scope="module")
 def bench_server(tmp_path_factory):
     ckpt = tiny_checkpoint(tmp_path_factory)
-    server = ServerProcess(ckpt, tmp_path_factory.mktemp("bench-logs") / "server.log", "--served-model-name", "tiny")
-    yield server.wait_ready()
-    server.stop()
+    with running_server(ckpt, tmp_path_factory.mktemp("bench-logs") / "server.log", "--served-model-name", "tiny") as s:
+        yield s
 
 
 def test_bench_serve_end_to_end(bench_server, tmp_path, capsys):

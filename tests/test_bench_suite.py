@@ -8,7 +8,7 @@ import json
 import math
 
 import pytest
-from test_server import ServerProcess, metrics
+from test_server import metrics, running_server
 
 from deepinfer import cli
 from deepinfer.bench.metrics import SpecDecodeStats, spec_decode_delta
@@ -23,9 +23,8 @@ INPUT_LEN, OUTPUT_LEN = 24, 5
 @pytest.fixture(scope="module")
 def bundled_server(tmp_path_factory):
     log = tmp_path_factory.mktemp("bench-suite") / "server.log"
-    server = ServerProcess(default_model_path(), log, "--served-model-name", "bundled")
-    yield server.wait_ready()
-    server.stop()
+    with running_server(default_model_path(), log, "--served-model-name", "bundled") as server:
+        yield server
 
 
 def _served_tokens(url: str) -> tuple[float, float]:
@@ -177,16 +176,12 @@ def test_plot_refuses_mixed_sweeps(tmp_path):
 def test_bench_serve_reports_speculative_acceptance(tmp_path, capsys):
     """Against a server that speculates (ngram), the run's accepted length comes from its /metrics."""
     spec = '{"method": "ngram", "num_speculative_tokens": 3}'
-    server = ServerProcess(default_model_path(), tmp_path / "spec.log", "--speculative-config", spec)
-    try:
-        server.wait_ready()
+    with running_server(default_model_path(), tmp_path / "spec.log", "--speculative-config", spec) as server:
         result = tmp_path / "spec.json"
         argv = ["bench", "serve", "--base-url", server.url, "--num-prompts", "4", "--random-input-len", "32",
                 "--random-output-len", "24", "--vocab-size", "4", "--result-json", str(result), "--no-progress"]
         assert cli.main(argv) == 0, capsys.readouterr().err
         assert "Spec decode mean accepted length" in capsys.readouterr().out
-    finally:
-        server.stop()
     spec_stats = json.loads(result.read_text())["summary"]["spec_decode"]
     assert spec_stats["drafts"] > 0 and spec_stats["draft_tokens"] >= spec_stats["drafts"]
     assert 1.0 <= spec_stats["mean_accepted_length"] <= 4.0

@@ -11,7 +11,7 @@ import time
 
 import pytest
 import torch
-from tiny_models import make_reference, save_reference
+from tiny_models import fail_steps_scheduling, make_reference, save_reference
 
 from deepinfer import LLM, SamplingParams
 from deepinfer.engine.engine_proc import EngineLoop
@@ -166,14 +166,7 @@ def test_step_exception_fails_only_the_scheduled_request(llm, monkeypatch):
     """In-process EngineLoop: the runner raises for any step that schedules "bad"."""
     core = llm.engine
     monkeypatch.setattr(core.scheduler, "config", dataclasses.replace(core.scheduler.config, max_num_seqs=1))
-    execute = core.runner.execute
-
-    def failing_execute(out):
-        if any(s.request.request_id == "bad" for s in out.scheduled):
-            raise RuntimeError("injected failure")
-        return execute(out)
-
-    monkeypatch.setattr(core.runner, "execute", failing_execute)
+    fail_steps_scheduling(monkeypatch, core.runner, "bad")
     engine = EngineLoop(core)
     prompt = _prompt(9, 8)
     assert engine.add(AddRequest("bad", _prompt(7, 9), params_to_dict(GREEDY))) is None

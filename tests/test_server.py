@@ -8,6 +8,7 @@ file order; the last test of each server stops it (SIGTERM drain; engine kill), 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -86,6 +87,16 @@ class ServerProcess:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+
+
+@contextlib.contextmanager
+def running_server(ckpt: Path, log: Path, *flags: str, env: dict | None = None):
+    """A ready ServerProcess, stopped when the block ends however it ends."""
+    server = ServerProcess(ckpt, log, *flags, env=env)
+    try:
+        yield server.wait_ready()
+    finally:
+        server.stop()
 
 
 def _get_status(url: str) -> int | None:

@@ -13,7 +13,7 @@ import openai
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_server import ServerProcess
+from test_server import running_server
 
 from deepinfer.llm import default_model_path
 from deepinfer.server.tools import CALL_BEGIN, CALL_END, CALLS_BEGIN, CALLS_END, SEP, ToolCallStream, parse_tool_calls
@@ -39,9 +39,8 @@ QUESTIONS = ["What's the weather in Paris?", "Add 2 and 3", "Forecast for Tokyo 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     log = tmp_path_factory.mktemp("structured-server") / "server.log"
-    proc = ServerProcess(default_model_path(), log, "--served-model-name", "m")
-    yield proc.wait_ready()
-    proc.stop()
+    with running_server(default_model_path(), log, "--served-model-name", "m") as proc:
+        yield proc
 
 
 @pytest.fixture(scope="module")

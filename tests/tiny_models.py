@@ -166,3 +166,15 @@ def write_tokenizer(path):
     tok.save(str(path / "tokenizer.json"))
     config = {"bos_token": BOS, "eos_token": EOS, "chat_template": TEMPLATE}
     (path / "tokenizer_config.json").write_text(json.dumps(config))
+
+
+def fail_steps_scheduling(monkeypatch, runner, request_id: str) -> None:
+    """Make `runner.execute` raise for every step that schedules `request_id` (others run normally)."""
+    execute = runner.execute
+
+    def failing_execute(out):
+        if any(s.request.request_id == request_id for s in out.scheduled):
+            raise RuntimeError("injected failure")
+        return execute(out)
+
+    monkeypatch.setattr(runner, "execute", failing_execute)
