@@ -1,11 +1,10 @@
 """Batch-invariant execution: a token's numbers never depend on what else runs in the step.
 
-Every kernel's reduction order is a function of its shapes. A token computed alone, as a one-token
-step, sees shapes that depend only on its own request (its position, its cache): the same GEMV for
-every projection, the same key count in attention, the same expert path. So deterministic mode runs
-the model one token at a time, in the order prefill and decode would, and takes the logits of each
-needed row with a one-row GEMV. Prefill chunking, batch size, batch position and preemption then
-cannot change a single bit; the price is per-token Python and kernel overhead (docs/determinism.md).
+Every kernel's reduction order is a function of its shapes, so deterministic mode makes every shape a
+token's row meets depend on that token alone. The batched method (`batch_invariant()`, below) keeps
+steps batched: fixed-tile matmuls, vectorised transcendental ops, attention per token over exactly its
+own keys. Models without those kernels run one token at a time instead (`forward_per_token`), which is
+invariant by construction but gives up batching (costs in docs/determinism.md).
 
 Sampling draws from a generator seeded from (seed, key, position) so a draw never depends on the
 batch either.

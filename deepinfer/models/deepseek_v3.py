@@ -113,8 +113,9 @@ def _rope_rows(rotary: RotaryTable, meta: ForwardMeta) -> tuple[torch.Tensor, to
 
 def _per_token_batch(meta: ForwardMeta) -> DecodeBatch:
     """Every new token as its own absorbed query over positions 0..its own (batch-invariant mode)."""
-    reqs = [r for r, n in enumerate(meta.query_lens()) for _ in range(n)]
-    lens = [meta.seq_starts[r] + i + 1 for r, n in enumerate(meta.query_lens()) for i in range(n)]
+    qlens = meta.query_lens()
+    reqs = [r for r, n in enumerate(qlens) for _ in range(n)]
+    lens = [meta.seq_starts[r] + i + 1 for r, n in enumerate(qlens) for i in range(n)]
     dev = meta.device
     pos = torch.arange(max(lens), device=dev)
     valid = pos[None] < torch.tensor(lens, device=dev)[:, None]
