@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 import shutil
 
 import pytest
@@ -410,16 +411,9 @@ def test_speculation_runs_synchronous_steps_and_rejects_deterministic_mode(v4_ck
     assert _tokens(llm.generate(prompts[:2], params[:2], use_tqdm=False)) == expected
 
 
-def test_grammar_constrained_requests_decode_without_drafts_beside_speculating_ones():
-    """A regex-constrained request carries no drafts (its mask covers one position per step); the other
-    requests of the batch keep speculating, and every output equals the non-speculative engine's."""
-    params = [SamplingParams(temperature=0, max_tokens=24, structured_outputs={"regex": r"[a-z_]+\(\d{1,3}\)"}),
-              SamplingParams(**GREEDY, max_tokens=24)]
-    prompts = [CODE[0], CODE[1]]
-    expected = _tokens(_bundled(None).generate(prompts, params, use_tqdm=False))
-    llm = _bundled({"method": "ngram", "num_speculative_tokens": 3})
-    seen = []
-    schedule = llm.engine.scheduler.schedule
+def _drafts_seen(llm: LLM) -> list[tuple[bool, int]]:
+    """(constrained?, drafts verified) of every scheduled request of every step from now on."""
+    seen, schedule = [], llm.engine.scheduler.schedule
 
     def spy():
         out = schedule()
@@ -427,6 +421,24 @@ def test_grammar_constrained_requests_decode_without_drafts_beside_speculating_o
         return out
 
     llm.engine.scheduler.schedule = spy
-    assert _tokens(llm.generate(prompts, params, use_tqdm=False)) == expected
-    assert all(n == 0 for constrained, n in seen if constrained)
+    return seen
+
+
+def test_grammar_constrained_requests_speculate_and_match_plain_decoding():
+    """Constrained requests verify only the drafts their grammar accepts, under one mask per verified
+    position (the matcher advances through the drafts and rolls back); outputs equal the non-speculative
+    engine's, the constraints hold, and both constrained and free requests really carried drafts."""
+    literal = "for root, dirs, files in os.walk(path):"  # in the prompt, so prompt lookup drafts it
+    params = [SamplingParams(temperature=0, max_tokens=40, structured_outputs={"regex": re.escape(literal)}),
+              SamplingParams(temperature=0, max_tokens=24, structured_outputs={"regex": r"[a-z_]+\(\d{1,3}\)"}),
+              SamplingParams(**GREEDY, max_tokens=24)]
+    prompts = [CODE[1], CODE[0], CODE[1]]
+    expected = _bundled(None).generate(prompts, params, use_tqdm=False)
+    llm = _bundled({"method": "ngram", "num_speculative_tokens": 3})
+    seen = _drafts_seen(llm)
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    assert _tokens(outputs) == _tokens(expected)
+    assert outputs[0].outputs[0].text == literal and outputs[0].outputs[0].finish_reason == "stop"
+    assert re.fullmatch(r"[a-z_]+\(\d{1,3}\)", outputs[1].outputs[0].text)
+    assert any(n > 0 for constrained, n in seen if constrained)
     assert any(n > 0 for constrained, n in seen if not constrained)

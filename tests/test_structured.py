@@ -8,6 +8,7 @@ import json
 import re
 import string
 import time
+import types
 
 import jsonschema
 import pytest
@@ -289,6 +290,27 @@ def test_matcher_rollback_is_exact(llm):
     state.rollback(2)
     assert all(state.accept(t) for t in ids[1:]) and state.matcher.is_completed()
     assert state.valid_prefix(tok.encode("}}", add_special_tokens=False)) == 0
+
+
+def test_draft_masks_are_the_masks_after_each_draft(llm):
+    """A request verifying drafts gets one mask row per position: row j equals the mask after accepting
+    drafts[:j] one by one; the matcher is back where it was afterwards."""
+    manager = llm.engine._structured_manager()
+    tok = llm.get_tokenizer()
+    spec = Spec(json={"type": "object", "properties": {"k": {"type": "string"}}})
+    state, reference = manager.request_state(spec), manager.request_state(spec)
+    while not (state.ready() and reference.ready()):
+        time.sleep(0.01)
+    ids = tok.encode('{"k": "abc"}', add_special_tokens=False)
+    req = types.SimpleNamespace(request_id="r", grammar=state)
+    keys, masks = manager.fill([req], {"r": ids[:3]})
+    assert keys == ["r"] * 4 and state.num_observed == 0
+    for j in range(4):
+        _, expected = manager.fill([types.SimpleNamespace(request_id="r", grammar=reference)])
+        assert torch.equal(masks[j], expected[0])
+        if j < 3:
+            assert reference.accept(ids[j])
+    assert all(state.accept(t) for t in ids)  # the fill left the matcher at the start
 
 
 def test_rollback_across_the_reasoning_gate(llm):

@@ -184,7 +184,7 @@ class EngineCore:
             self.last_result = RunnerOutput()
             return failed
         if self.structured is not None:  # filled on a worker thread while the forward runs
-            out.grammar_bitmask = self.structured.fill_async(_sampling_requests(out))
+            out.grammar_bitmask = self.structured.fill_async(_sampling_requests(out), _drafts(out))
         self.last_result = self.runner.execute(out)
         touched = failed + self.scheduler.update(out, self.last_result)
         self.scheduler.record_step(out, self.last_result, time.perf_counter() - started)
@@ -226,7 +226,7 @@ class EngineCore:
         if pending is None or pending.done():
             return
         try:
-            pending.set_result(self.structured.fill(_sampling_requests(out)))
+            pending.set_result(self.structured.fill(_sampling_requests(out), _drafts(out)))
         except Exception as e:
             pending.set_exception(e)
 
@@ -253,6 +253,10 @@ class EngineCore:
 
 def _sampling_requests(out: SchedulerOutput) -> list[Request]:
     return [s.request for s in out.scheduled if s.samples] + out.fork_children
+
+
+def _drafts(out: SchedulerOutput) -> dict[str, list[int]]:
+    return {s.request.request_id: s.draft_token_ids for s in out.scheduled if s.num_drafts}
 
 
 def _abandon_masks(out: SchedulerOutput) -> None:

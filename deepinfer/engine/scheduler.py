@@ -147,14 +147,18 @@ class Scheduler:
 
     def _drafts(self, req: Request, n: int, budget: int) -> list[int]:
         """The drafts req verifies this step: only when decoding (one token behind), within the budget, the
-        output cap and the model length; never for requests that return logprobs or follow a grammar."""
+        output cap and the model length; never for requests that return logprobs. A grammar keeps only the
+        drafts it accepts, and none while it is not constraining yet (reasoning before `</think>`)."""
         if not req.spec_token_ids or n != 1 or req.num_tokens - req.num_computed_tokens != 1:
             return []
-        if req.params.logprobs is not None or req.grammar is not None:
-            return []  # one logprob entry per step; grammar masks are filled for one position per step
+        if req.params.logprobs is not None:
+            return []  # one logprob entry per step
         room = min(budget - 1, req.max_output_tokens - len(req.output_token_ids) - 1,
                    self.max_model_len - req.num_tokens - 1, self._verify_lens.get(req.request_id, 0))
-        return req.spec_token_ids[:max(room, 0)]
+        drafts = req.spec_token_ids[:max(room, 0)]
+        if req.grammar is None:
+            return drafts
+        return drafts[:req.grammar.valid_prefix(drafts)] if req.grammar.constrains_next else []
 
     def _allocate(self, req: Request, total: int, prefix: list[int] | None = None) -> bool:
         """Blocks for `total` positions plus the lookahead, never past what the request can ever hold

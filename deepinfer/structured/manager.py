@@ -147,26 +147,45 @@ class StructuredOutputManager:
             cache.popitem(last=False)
 
     # --- one step --------------------------------------------------------------------------------
-    def fill_async(self, requests: Sequence) -> Future | None:
-        """Future of (request ids, int32 bitmask [K, ceil(V/32)]) for the requests among `requests` whose
-        next token is constrained; None (nothing to do, nothing paid) when there are none."""
+    def fill_async(self, requests: Sequence, drafts: dict[str, list[int]] | None = None) -> Future | None:
+        """Future of (row keys, int32 bitmask [K, ceil(V/32)]) for the requests among `requests` whose next
+        token is constrained; None (nothing to do, nothing paid) when there are none. A request verifying
+        d drafts gets d + 1 consecutive rows keyed by its id: row j is its mask after drafts[:j]."""
         constrained = _constrained(requests)
-        return self._fill_pool.submit(self._fill, constrained) if constrained else None
+        return self._fill_pool.submit(self._fill, constrained, drafts or {}) if constrained else None
 
-    def fill(self, requests: Sequence) -> tuple[list[str], torch.Tensor] | None:
+    def fill(self, requests: Sequence, drafts: dict[str, list[int]] | None = None):
         """The same, computed now on the calling thread."""
         constrained = _constrained(requests)
-        return self._fill(constrained) if constrained else None
+        return self._fill(constrained, drafts or {}) if constrained else None
 
-    def _fill(self, requests: list) -> tuple[list[str], torch.Tensor]:
-        bitmask = backend.allocate_bitmask(len(requests), self.vocab_size)
-        for i, req in enumerate(requests):
-            req.grammar.matcher.fill_next_token_bitmask(bitmask, i)
-        return [r.request_id for r in requests], bitmask
+    def _fill(self, requests: list, drafts: dict[str, list[int]]) -> tuple[list[str], torch.Tensor]:
+        keys = [r.request_id for r in requests for _ in range(len(drafts.get(r.request_id, ())) + 1)]
+        bitmask = backend.allocate_bitmask(len(keys), self.vocab_size)
+        row = 0
+        for req in requests:
+            row = _fill_rows(req.grammar, drafts.get(req.request_id, []), bitmask, row)
+        return keys, bitmask
 
     def shutdown(self) -> None:
         self._compile_pool.shutdown(wait=False, cancel_futures=True)
         self._fill_pool.shutdown(wait=False)
+
+
+def _fill_rows(grammar: RequestGrammar, drafts: list[int], bitmask: torch.Tensor, row: int) -> int:
+    """Rows row..row+len(drafts) of `bitmask`: the mask before each draft and after the last, advancing
+    the matcher through the drafts and rolling it back (the update advances it by what is accepted).
+    After a draft that completes the grammar every token is allowed: the request stops at that draft."""
+    accepted = 0
+    for j in range(len(drafts) + 1):
+        if grammar.terminated:
+            bitmask[row + j] = -1
+        else:
+            grammar.matcher.fill_next_token_bitmask(bitmask, row + j)
+        if j < len(drafts) and grammar.accept(drafts[j]):
+            accepted += 1
+    grammar.rollback(accepted)
+    return row + len(drafts) + 1
 
 
 def _constrained(requests: Sequence) -> list:

@@ -191,8 +191,9 @@ class ModelRunner:
         """Sampled requests use their last row; forked children reuse their parent's row; requests with
         drafts verify them (their rows are consecutive, one per draft plus one)."""
         drafts = {s.request.request_id: s.draft_token_ids for s in out.scheduled if s.num_drafts}
+        grammar = out.grammar_bitmask.result() if out.grammar_bitmask is not None else None
         if drafts:
-            self._verify(logits, sample_rows, drafts, result)
+            self._verify(logits, sample_rows, drafts, result, grammar)
         by_id = {s.request.request_id: s for s in out.scheduled}
         parent_pos = {req.request_id: i for i, (req, _) in enumerate(sample_rows) if req.request_id not in drafts}
         requests = [sample_rows[i][0] for i in parent_pos.values()]
@@ -206,7 +207,6 @@ class ModelRunner:
             positions.append(positions[parent_pos[fork.parent_id]])
         if not requests:
             return
-        grammar = out.grammar_bitmask.result() if out.grammar_bitmask is not None else None
         if self.deterministic:
             for i, req in enumerate(requests):
                 self._sample_rows([req], logits[rows[i]:rows[i] + 1], [outputs[i]],
@@ -232,7 +232,8 @@ class ModelRunner:
         key = f"{req.request_id if req.params.seed is None else ''}#{req.sample_index}"
         return make_generator(position_seed(seed, key, position), self.device)
 
-    def _verify(self, logits: torch.Tensor, sample_rows: list, drafts: dict[str, list[int]], result: RunnerOutput):
+    def _verify(self, logits: torch.Tensor, sample_rows: list, drafts: dict[str, list[int]], result: RunnerOutput,
+                out_grammar: tuple[list[str], torch.Tensor] | None = None):
         """Row j of a request with drafts is scored as if drafts[:j] were already in its output (penalties,
         min_tokens), then greedy or rejection-sampled verification picks the tokens."""
         picked = [(i, req) for i, (req, _) in enumerate(sample_rows) if req.request_id in drafts]
@@ -243,6 +244,8 @@ class ModelRunner:
         reqs = [req for _, req in picked]
         batch = SamplingBatch.build([r.params for r in reqs], [r.prompt_token_ids for r in reqs], outputs,
                                     [r.generator for r in reqs], self.eos_token_ids, self.vocab_size, self.device)
+        if out_grammar is not None:
+            self._add_grammar(batch, reqs, *out_grammar)
         processed = self.sampler.process(logits[self._long([i for i, _ in picked])].float(), batch)
         probs = None if batch.all_greedy else self.sampler.filtered_probs(processed.clone(), batch)
         row = 0
@@ -282,10 +285,17 @@ class ModelRunner:
                            s.state_slot, s.write_from, max_drafts)
 
     def _add_grammar(self, batch: SamplingBatch, requests: list, request_ids: list[str], bitmask: torch.Tensor):
-        """Row k of `bitmask` constrains request `request_ids[k]`; only the rows of those among `requests`
-        are masked."""
-        row_of = {r.request_id: i for i, r in enumerate(requests)}
-        picked = [(row_of[rid], k) for k, rid in enumerate(request_ids) if rid in row_of]
+        """Row k of `bitmask` constrains request `request_ids[k]`; the j-th row of a request among `requests`
+        takes its j-th mask row (a request verifying drafts has one row per position); others are unmasked."""
+        mask_rows: dict[str, list[int]] = {}
+        for k, rid in enumerate(request_ids):
+            mask_rows.setdefault(rid, []).append(k)
+        seen: dict[str, int] = {}
+        picked = []
+        for i, r in enumerate(requests):
+            j = seen[r.request_id] = seen.get(r.request_id, -1) + 1
+            if j < len(mask_rows.get(r.request_id, ())):
+                picked.append((i, mask_rows[r.request_id][j]))
         if picked:
             batch.grammar_rows = self._long([row for row, _ in picked])
             batch.grammar_bitmask = bitmask[[k for _, k in picked]].to(self.device, non_blocking=True)
