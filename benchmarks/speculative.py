@@ -33,6 +33,7 @@ METHODS = {
     "mtp k=1": {"method": "mtp", "num_speculative_tokens": 1},
     "dspark k=3": {"method": "dspark", "num_speculative_tokens": 3},
     "dspark k=3 adaptive": {"method": "dspark", "num_speculative_tokens": 3, "verify_policy": "adaptive"},
+    "dspark k=4": {"method": "dspark", "num_speculative_tokens": 4},
 }
 
 

@@ -4,6 +4,7 @@ hits, preemption and across compression boundaries; sampled outputs follow the s
 
 from __future__ import annotations
 
+import itertools
 import json
 import random
 import re
@@ -22,6 +23,7 @@ from deepinfer.models.deepseek_v4 import _HC_RENAMES, DeepseekV4ForCausalLM
 from deepinfer.models.dspark import DSparkConfig, DSparkDrafter
 from deepinfer.models.mla_mtp import MLAMTPLayer
 from deepinfer.spec.base import Draft, ProposeBatch, Proposer
+from deepinfer.spec.policy import StepTimeProfile
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 
@@ -155,6 +157,16 @@ def _bundled(spec: dict | None, **kw) -> LLM:
     return LLM(None, speculative_config=spec, **options)
 
 
+class _FixedProfile(StepTimeProfile):
+    """10 ms + 1 ms per batched token, whatever the machine measures."""
+
+    def record(self, num_tokens: int, seconds: float) -> None:
+        pass
+
+    def line(self) -> tuple[float, float]:
+        return 0.010, 0.001
+
+
 def _mixed_params() -> list[SamplingParams]:
     return [SamplingParams(**GREEDY, max_tokens=40), SamplingParams(**GREEDY, max_tokens=7),
             SamplingParams(**GREEDY, max_tokens=33, repetition_penalty=1.3, presence_penalty=0.4),
@@ -186,6 +198,10 @@ def test_bundled_greedy_is_identical_with_speculation(bundled_reference, method)
     policy = "adaptive" if method.endswith("adaptive") else "fixed"
     llm = _bundled({"method": method.split("-")[0], "num_speculative_tokens": 3,  # dspark: the shipped drafter
                     "verify_policy": policy})
+    if policy == "adaptive":  # timing-independent: drafting switches on and off, verify lengths vary
+        modes = itertools.cycle([True, True, True, False, False])
+        llm.engine.scheduler.gate.choose = lambda num_requests, expected: next(modes)
+        llm.engine.scheduler.step_profile = _FixedProfile()
     first = _tokens(llm.generate(CODE, _mixed_params(), use_tqdm=False))
     hits = llm.engine.kv.prefix_hits
     again = _tokens(llm.generate([p + "    " for p in CODE], _mixed_params(), use_tqdm=False))
@@ -193,6 +209,19 @@ def test_bundled_greedy_is_identical_with_speculation(bundled_reference, method)
     stats = llm.engine.scheduler.spec_stats
     assert stats.num_draft_tokens > stats.num_accepted_tokens > 0
     assert llm.engine.kv.prefix_hits > hits
+    _free_everything(llm)
+
+
+def test_adaptive_calibration_times_both_modes_and_leaves_nothing_behind():
+    llm = _bundled({"method": "ngram", "num_speculative_tokens": 3, "verify_policy": "adaptive"}, max_num_seqs=4)
+    sched = llm.engine.scheduler
+    assert sched.gate.frozen and set(sched.gate.times) == {(b, m) for b in (1, 2, 3) for m in (True, False)}
+    assert all(t > 0 for t in sched.gate.times.values())
+    assert len({n for n, _ in sched.step_profile.samples}) >= 3  # drafting steps of several sizes
+    assert not sched.requests and not sched.running and not sched.waiting and sched.forced_drafting is None
+    assert sched.spec_stats.num_drafts == 0 and sched.num_preemptions == 0
+    _free_everything(llm)
+    llm.generate(CODE[:2], SamplingParams(**GREEDY, max_tokens=8), use_tqdm=False)
     _free_everything(llm)
 
 

@@ -261,23 +261,45 @@ def test_adaptive_policy_drops_drafts_when_steps_are_compute_bound():
     assert math.isclose(sched.step_profile(10), 0.0101, rel_tol=1e-6)
 
 
-def test_gate_drafts_only_while_drafting_is_measured_faster():
+def test_gate_explores_both_modes_when_nothing_is_measured():
+    gate = SpeculationGate()
+    assert gate.predicted_gain(8, 3.0) is None
+    assert gate.choose(8, 3.0) is True  # nothing measured (no calibration): drafting first
+    gate.record(8, True, 0.030)
+    assert gate.choose(8, 3.0) is False  # then plain decoding
+    gate.record(8, False, 0.010)
+    assert gate.predicted_gain(8, 3.0) == pytest.approx(1.0)
+    gate.record(8, False, 0.020)  # a moving average of live steps
+    assert gate.times[(4, False)] == pytest.approx(0.0125)
+    gate.frozen = True  # calibrated: live steps no longer change the times
+    gate.record(8, False, 0.030)
+    assert gate.times[(4, False)] == pytest.approx(0.0125)
+
+
+def test_gate_follows_a_clear_prediction_without_probes():
     gate = SpeculationGate(probe_every=10, probe_len=2)
-    assert gate.choose(8) is True  # nothing measured: try drafting first
-    gate.record(8, True, 50.0)
-    assert gate.choose(8) is False  # then plain decoding
-    gate.record(8, False, 80.0)
-    modes = [gate.choose(8) for _ in range(60)]  # steps 3..62
-    # plain decoding, re-measuring drafting for 2 steps at 10, then 22 (the first choice is confirmed), then 44
-    assert [i + 3 for i, m in enumerate(modes) if m] == [10, 11, 22, 23, 44, 45]
-    gate.record(8, True, 200.0)
-    modes = [gate.choose(8) for _ in range(40)]  # steps 63..102: drafting now wins
-    # plain decoding is probed at 86 (the doubled interval), then 10 steps later (the choice flipped)
-    assert [i + 63 for i, m in enumerate(modes) if not m] == [86, 87, 98, 99]
-    assert gate.choose(64) is True  # an unmeasured batch size follows the nearest measured one
-    gate.record(64, True, 10.0)
-    gate.record(64, False, 20.0)
-    assert gate.choose(64) is False  # ... until it is measured itself
+    gate.record(32, True, 0.090)
+    gate.record(32, False, 0.025)
+    # 2.5 expected tokens per drafting step cannot pay for a 3.6x slower step: never drafts, never probes
+    assert not any(gate.choose(32, 2.5) for _ in range(2000))
+    gate.record(1, True, 0.015)
+    gate.record(1, False, 0.010)
+    assert all(gate.choose(1, 2.5) for _ in range(2000))  # gain 1.67: always drafts
+    assert gate.choose(64, 2.5) is False  # an unmeasured batch size follows the nearest measured one (32)
+
+
+def test_gate_probes_the_other_mode_near_break_even():
+    gate = SpeculationGate(probe_every=10, probe_len=2)
+    gate.record(8, True, 0.020)
+    gate.record(8, False, 0.010)
+    assert gate.choose(8, 1.0) is False  # gain 0.5: clear; the next probe is 10 steps after the last clear step
+    modes = [gate.choose(8, 1.9) for _ in range(60)]  # gain 0.95 from step 2 on: plain, with probes
+    # drafting re-measured for 2 steps at 11, then 20 steps later (the choice was confirmed; next at 75)
+    assert [i + 2 for i, m in enumerate(modes) if m] == [11, 12, 33, 34]
+    gate.record(8, True, 0.008)  # the probes measured drafting cheaper (average 0.017 s): gain 1.12, drafting wins
+    modes = [gate.choose(8, 1.9) for _ in range(50)]  # steps 62..111
+    # plain decoding probed at 75 (the doubled interval), 10 steps later (the choice had flipped), then 20
+    assert [i + 62 for i, m in enumerate(modes) if not m] == [75, 76, 87, 88, 109, 110]
 
 
 def test_adaptive_scheduler_stops_drafting_when_plain_decoding_is_faster():
@@ -292,7 +314,7 @@ def test_adaptive_scheduler_stops_drafting_when_plain_decoding_is_faster():
         if out.propose_drafts:
             result.drafts["a"] = [70, 71, 72]
         sched.update(out, result)
-        sched.record_step(out, result, 0.010 if out.propose_drafts else 0.002)  # drafting: 5x slower steps
+        sched.record_step(out, 0.010 if out.propose_drafts else 0.002)  # drafting: 5x slower steps
         modes.append(out.propose_drafts)
     # drafting is measured on a step that verifies drafts, plain decoding on one after the switch settles
     assert modes[:4] == [True, False, False, False] and not any(modes[4:12])

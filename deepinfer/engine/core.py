@@ -14,6 +14,7 @@ from deepinfer.config import EngineArgs, ModelConfig, resolve_dtype
 from deepinfer.engine.kv_cache import KVCacheManager
 from deepinfer.engine.outputs import RunnerOutput, SchedulerOutput
 from deepinfer.engine.scheduler import Scheduler
+from deepinfer.engine.spec_calibration import calibrate_speculation
 from deepinfer.models.loader import iter_checkpoint
 from deepinfer.models.registry import default_block_size, model_class
 from deepinfer.request import Request, RequestStatus
@@ -68,6 +69,8 @@ class EngineCore:
         # last, whose tokens the next step() call folds in.
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="deepinfer-forward") if args.async_scheduling else None
         self.in_flight: tuple[SchedulerOutput, Future] | None = None
+        if self.speculative is not None and self.speculative.verify_policy == "adaptive":
+            calibrate_speculation(self)
 
     def _cache_specs(self, block_size: int):
         """The model's cache tensors, and a draft MTP layer's own when it drafts."""
@@ -187,7 +190,7 @@ class EngineCore:
             out.grammar_bitmask = self.structured.fill_async(_sampling_requests(out), _drafts(out))
         self.last_result = self.runner.execute(out)
         touched = failed + self.scheduler.update(out, self.last_result)
-        self.scheduler.record_step(out, self.last_result, time.perf_counter() - started)
+        self.scheduler.record_step(out, time.perf_counter() - started)
         return touched
 
     def _fail_grammars(self) -> list[Request]:

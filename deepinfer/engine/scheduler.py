@@ -18,7 +18,7 @@ from deepinfer.config import SchedulerConfig, SpeculativeConfig
 from deepinfer.engine.kv_cache import KVCacheManager, chain_hashes
 from deepinfer.engine.outputs import RunnerOutput, ScheduledRequest, SchedulerOutput
 from deepinfer.request import Request, RequestStatus
-from deepinfer.spec.policy import SpeculationGate, StepTimeProfile, choose_verify_lengths
+from deepinfer.spec.policy import SpeculationGate, StepTimeProfile, choose_verify_lengths, expected_tokens
 from deepinfer.spec.stats import SpecDecodeStats
 
 
@@ -41,7 +41,8 @@ class Scheduler:
         # Called as f(request, rejected draft tokens) when verification rejects drafts (e.g. grammar rollback).
         self.rejection_listeners: list[Callable[[Request, list[int]], None]] = []
         self._verify_lens: dict[str, int] = {}
-        self.gate = SpeculationGate()  # adaptive: draft only while it measurably beats plain decoding
+        self.gate = SpeculationGate()  # adaptive: draft only while it is predicted to beat plain decoding
+        self.forced_drafting: bool | None = None  # set only by the engine's start-up calibration
         # Tokens recomputed before a prefix-cache hit to rebuild bounded state (V4: layers * (window - 1)).
         self.replay_tokens = replay_tokens
         self.num_snapshot_restores = 0
@@ -119,7 +120,8 @@ class Scheduler:
     def _plan_verify(self) -> dict[str, int]:
         """How many drafts each decoding request verifies this step (fixed: all of them)."""
         reqs = [r for r in self.running if r.spec_token_ids]
-        if not reqs or self.speculative is None or self.speculative.verify_policy == "fixed":
+        fixed = self.speculative is None or self.speculative.verify_policy == "fixed"
+        if not reqs or fixed or self.forced_drafting is not None:
             return {r.request_id: len(r.spec_token_ids) for r in reqs}
         empirical = self.spec_stats.acceptance_by_position()
         conf = [_confidence(r, empirical) for r in reqs]
@@ -128,22 +130,35 @@ class Scheduler:
         return {r.request_id: d for r, d in zip(reqs, lengths)}
 
     def _drafting(self) -> bool:
-        """Fixed policy: always. Adaptive: while the gate measures drafting faster than plain decoding."""
+        """Fixed policy: always. Adaptive: while the gate predicts drafting faster than plain decoding (or as
+        `forced_drafting` says, during the engine's calibration)."""
         if self.speculative is None or self.speculative.verify_policy != "adaptive":
             return True
-        return self.gate.choose(len(self.running))
+        if self.forced_drafting is not None:
+            return self.forced_drafting
+        k = self.speculative.num_speculative_tokens
+        rates = self.spec_stats.acceptance_by_position()[:k]
+        return self.gate.choose(len(self.running), expected_tokens(rates + [0.5] * (k - len(rates)), k))
 
-    def record_step(self, out: SchedulerOutput, result: RunnerOutput, seconds: float) -> None:
-        """Measurements of a decode / verify step for the adaptive policy: step time by batched tokens, and
-        tokens emitted per request per second with and without drafting."""
+    def steady_mode(self, out: SchedulerOutput) -> bool | None:
+        """For a steady-state decode step (every request one token plus drafts), whether it drafted; None for
+        other steps: prefill, or a switch between modes (drafting without verifying yet, or the reverse)."""
         if not out.scheduled or any(s.num_new_tokens - s.num_drafts != 1 for s in out.scheduled):
-            return
+            return None
         if out.propose_drafts != any(s.num_drafts for s in out.scheduled):
-            return  # a switch between modes (drafting without verifying yet, or the reverse): not steady state
-        if out.propose_drafts:  # the verify cost of extra tokens, measured among drafting steps only
+            return None
+        return out.propose_drafts
+
+    def record_step(self, out: SchedulerOutput, seconds: float) -> None:
+        """Measurements of a steady-state decode / verify step for the adaptive policy: step time by batched
+        tokens (drafting steps), and step time with and without drafting by batch size. The engine's
+        calibration keeps its own measurements."""
+        mode = self.steady_mode(out)
+        if mode is None or self.forced_drafting is not None:
+            return
+        if mode:  # the verify cost of extra tokens, measured among drafting steps only
             self.step_profile.record(out.num_tokens, seconds)
-        emitted = sum(1 + len(result.accepted_drafts.get(s.request.request_id, [])) for s in out.scheduled)
-        self.gate.record(len(out.scheduled), out.propose_drafts, emitted / len(out.scheduled) / seconds)
+        self.gate.record(len(out.scheduled), mode, seconds)
 
     def _drafts(self, req: Request, n: int, budget: int) -> list[int]:
         """The drafts req verifies this step: only when decoding (one token behind), within the budget, the

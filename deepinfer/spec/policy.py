@@ -97,15 +97,20 @@ class StepTimeProfile:
 
 
 class SpeculationGate:
-    """Whether to draft at all: the measured decode rate (tokens per request per second, by batch-size
-    bucket) with and without drafting. Drafts only while drafting is the faster mode and re-measures the
-    other mode for `probe_len` steps, first after `probe_every` steps, then at doubling intervals (up to
-    1024 steps) while the choice stands, so a loaded engine where verification or drafting costs more than
-    it saves falls back to plain decoding at little cost."""
+    """Whether to draft at all (adaptive policy). Drafting pays while a drafting step's expected tokens per
+    request, `expected` (from the measured acceptance by position), outweigh its cost relative to a plain
+    decode step: expected * T_off(B) >= T_on(B). The step times with drafting (draft + verify) and without
+    are kept per batch-size bucket: measured by the engine's start-up calibration (then `frozen`: both
+    modes were timed under the same conditions, whereas live steps would refresh only the mode in use), or
+    without calibration, moving averages of live steps. A prediction within `margin` of break-even is
+    checked by running the other mode for `probe_len` steps (which re-measures acceptance), first after
+    `probe_every` steps, then at doubling intervals (up to 1024 steps) while the choice stands; a clear
+    prediction is followed without probes, so a loaded engine where drafting cannot pay never drafts."""
 
-    def __init__(self, probe_every: int = 32, probe_len: int = 4, alpha: float = 0.25):
-        self.probe_every, self.probe_len, self.alpha = probe_every, probe_len, alpha
-        self.rates: dict[tuple[int, bool], float] = {}
+    def __init__(self, probe_every: int = 64, probe_len: int = 4, alpha: float = 0.25, margin: float = 0.85):
+        self.probe_every, self.probe_len, self.alpha, self.margin = probe_every, probe_len, alpha, margin
+        self.times: dict[tuple[int, bool], float] = {}  # (bucket, drafting) -> seconds per decode step
+        self.frozen = False
         self.steps = 0
         self.period, self.next_probe, self.last_best = probe_every, probe_every, None
 
@@ -113,32 +118,34 @@ class SpeculationGate:
     def bucket(num_requests: int) -> int:
         return max(num_requests, 1).bit_length()
 
-    def record(self, num_requests: int, drafting: bool, rate: float) -> None:
-        """`rate`: tokens emitted per request per second in a decode step (exponential moving average)."""
+    def record(self, num_requests: int, drafting: bool, seconds: float) -> None:
+        """A steady-state decode step's wall time (exponential moving average per bucket and mode)."""
+        if self.frozen:
+            return
         key = (self.bucket(num_requests), drafting)
-        old = self.rates.get(key)
-        self.rates[key] = rate if old is None else old + self.alpha * (rate - old)
+        old = self.times.get(key)
+        self.times[key] = seconds if old is None else old + self.alpha * (seconds - old)
 
-    def choose(self, num_requests: int) -> bool:
-        self.steps += 1
+    def predicted_gain(self, num_requests: int, expected: float) -> float | None:
+        """Predicted decode rate with drafting over without, from the nearest bucket measured in both modes."""
         b = self.bucket(num_requests)
-        on, off = self.rates.get((b, True)), self.rates.get((b, False))
-        if on is not None and off is not None:
-            best = on >= off
-        else:  # an unmeasured batch size follows the nearest measured one (its other mode is probed)
-            best = self._nearest_choice(b)
-            if best is None:
-                return on is None  # nothing measured anywhere: drafting first, then plain decoding
+        measured = [m for m in {m for m, _ in self.times} if (m, True) in self.times and (m, False) in self.times]
+        if not measured:
+            return None
+        m = min(measured, key=lambda m: (abs(m - b), m))
+        return expected * self.times[(m, False)] / self.times[(m, True)]
+
+    def choose(self, num_requests: int, expected: float) -> bool:
+        self.steps += 1
+        gain = self.predicted_gain(num_requests, expected)
+        if gain is None:  # nothing measured (no calibration): drafting first, then plain decoding
+            return (self.bucket(num_requests), True) not in self.times
+        best = gain >= 1.0
+        if not self.margin <= gain <= 1.0 / self.margin:  # a clear case: no probes
+            self.period, self.next_probe, self.last_best = self.probe_every, self.steps + self.probe_every, best
+            return best
         if self.steps >= self.next_probe + self.probe_len:  # a probe just ended
             self.period = min(2 * self.period, 1024) if best == self.last_best else self.probe_every
             self.last_best, self.next_probe = best, self.steps + self.period
         probing = self.next_probe <= self.steps < self.next_probe + self.probe_len
         return best != probing
-
-    def _nearest_choice(self, bucket: int) -> bool | None:
-        measured = sorted({b for b, _ in self.rates if (b, True) in self.rates and (b, False) in self.rates},
-                          key=lambda b: (abs(b - bucket), b))
-        if not measured:
-            return None
-        b = measured[0]
-        return self.rates[(b, True)] >= self.rates[(b, False)]
