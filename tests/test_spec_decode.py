@@ -200,7 +200,7 @@ def test_bundled_greedy_is_identical_with_speculation(bundled_reference, method)
                     "verify_policy": policy})
     if policy == "adaptive":  # timing-independent: drafting switches on and off, verify lengths vary
         modes = itertools.cycle([True, True, True, False, False])
-        llm.engine.scheduler.gate.choose = lambda num_requests, expected: next(modes)
+        llm.engine.scheduler.gate.choose = lambda num_requests: next(modes)
         llm.engine.scheduler.step_profile = _FixedProfile()
     first = _tokens(llm.generate(CODE, _mixed_params(), use_tqdm=False))
     hits = llm.engine.kv.prefix_hits

@@ -261,12 +261,12 @@ def test_adaptive_policy_drops_drafts_when_steps_are_compute_bound():
     assert math.isclose(sched.step_profile(10), 0.0101, rel_tol=1e-6)
 
 
-def test_gate_explores_both_modes_when_nothing_is_measured():
-    gate = SpeculationGate()
+def test_gate_times_both_modes_when_there_is_no_calibration():
+    gate = SpeculationGate(k=3)
     assert gate.predicted_gain(8, 3.0) is None
-    assert gate.choose(8, 3.0) is True  # nothing measured (no calibration): drafting first
+    assert gate.choose(8) is True  # nothing timed: drafting first
     gate.record(8, True, 0.030)
-    assert gate.choose(8, 3.0) is False  # then plain decoding
+    assert gate.choose(8) is False  # then plain decoding
     gate.record(8, False, 0.010)
     assert gate.predicted_gain(8, 3.0) == pytest.approx(1.0)
     gate.record(8, False, 0.020)  # a moving average of live steps
@@ -276,30 +276,29 @@ def test_gate_explores_both_modes_when_nothing_is_measured():
     assert gate.times[(4, False)] == pytest.approx(0.0125)
 
 
-def test_gate_follows_a_clear_prediction_without_probes():
-    gate = SpeculationGate(probe_every=10, probe_len=2)
-    gate.record(32, True, 0.090)
-    gate.record(32, False, 0.025)
-    # 2.5 expected tokens per drafting step cannot pay for a 3.6x slower step: never drafts, never probes
-    assert not any(gate.choose(32, 2.5) for _ in range(2000))
-    gate.record(1, True, 0.015)
-    gate.record(1, False, 0.010)
-    assert all(gate.choose(1, 2.5) for _ in range(2000))  # gain 1.67: always drafts
-    assert gate.choose(64, 2.5) is False  # an unmeasured batch size follows the nearest measured one (32)
+def test_gate_drafts_until_the_data_show_it_cannot_pay():
+    gate = SpeculationGate(k=3)
+    # drafting costs 2.83x a plain step at batch 32; it must gain min_gain = 1.05: E >= 2.975
+    gate.times = {(6, True): 0.085, (6, False): 0.030, (1, True): 0.015, (1, False): 0.010}
+    assert gate.optimistic_tokens(32) == 4.0 and gate.choose(32)  # no data: up to 4 tokens, 1.41x: try
+    gate.observe(32, 32 * 2.5)  # 2.5 tokens per request: the bound 2.5 + 3 / sqrt(33) = 3.02 still hopes
+    assert gate.optimistic_tokens(32) == pytest.approx(2.5 + 3 / 33 ** 0.5) and gate.choose(32)
+    gate.observe(32, 32 * 2.5)
+    assert not gate.choose(32)  # 2.5 + 3 / sqrt(65) = 2.87: stops after two steps
+    assert gate.choose(1)  # batch 1 has no data of its own: batch 32's as the prior, 2.87 * 0.67 = 1.9
+    # while off, the counts decay (half-life 1024 steps), so drafting is re-tried once the bound is back
+    # above 2.975: n < 38.9, about 1024 * log2(64 / 38.9) = 735 steps later
+    modes = [gate.choose(32) for _ in range(1000)]
+    assert 725 < modes.index(True) < 745 and gate.tokens[6][1] < 39
 
 
-def test_gate_probes_the_other_mode_near_break_even():
-    gate = SpeculationGate(probe_every=10, probe_len=2)
-    gate.record(8, True, 0.020)
-    gate.record(8, False, 0.010)
-    assert gate.choose(8, 1.0) is False  # gain 0.5: clear; the next probe is 10 steps after the last clear step
-    modes = [gate.choose(8, 1.9) for _ in range(60)]  # gain 0.95 from step 2 on: plain, with probes
-    # drafting re-measured for 2 steps at 11, then 20 steps later (the choice was confirmed; next at 75)
-    assert [i + 2 for i, m in enumerate(modes) if m] == [11, 12, 33, 34]
-    gate.record(8, True, 0.008)  # the probes measured drafting cheaper (average 0.017 s): gain 1.12, drafting wins
-    modes = [gate.choose(8, 1.9) for _ in range(50)]  # steps 62..111
-    # plain decoding probed at 75 (the doubled interval), 10 steps later (the choice had flipped), then 20
-    assert [i + 62 for i, m in enumerate(modes) if not m] == [75, 76, 87, 88, 109, 110]
+def test_gate_data_are_per_batch_bucket():
+    gate = SpeculationGate(k=3)
+    gate.times = {(b, m): (0.05 if m else 0.02) for b in (1, 6) for m in (True, False)}  # 2.5x slower drafting
+    for _ in range(100):
+        gate.observe(1, 4)  # batch 1: every draft accepted
+        gate.observe(32, 64)  # batch 32: the verify-length policy verifies fewer: 2 tokens per request
+    assert gate.choose(1) and not gate.choose(32)
 
 
 def test_adaptive_scheduler_stops_drafting_when_plain_decoding_is_faster():
@@ -314,8 +313,23 @@ def test_adaptive_scheduler_stops_drafting_when_plain_decoding_is_faster():
         if out.propose_drafts:
             result.drafts["a"] = [70, 71, 72]
         sched.update(out, result)
-        sched.record_step(out, 0.010 if out.propose_drafts else 0.002)  # drafting: 5x slower steps
+        sched.record_step(out, result, 0.010 if out.propose_drafts else 0.002)  # drafting: 5x slower steps
         modes.append(out.propose_drafts)
     # drafting is measured on a step that verifies drafts, plain decoding on one after the switch settles
     assert modes[:4] == [True, False, False, False] and not any(modes[4:12])
     assert all(s.num_drafts == 0 for s in out.scheduled)
+
+
+def test_gate_judges_a_step_by_its_batch_after_admission():
+    """Drafting pays alone but not among 8: 8 waiting requests are prefilled without drafting."""
+    sched = _sched(policy="adaptive")
+    sched.gate.times = {(1, True): 0.015, (1, False): 0.010, (4, True): 0.080, (4, False): 0.020}
+    sched.gate.frozen = True
+    for i in range(8):
+        sched.add(_request(f"r{i}", max_tokens=4))
+    out = sched.schedule()
+    assert len(out.scheduled) == 8 and not out.propose_drafts
+    alone = _sched(policy="adaptive")
+    alone.gate.times = sched.gate.times
+    alone.add(_request("a", max_tokens=4))
+    assert alone.schedule().propose_drafts

@@ -190,7 +190,7 @@ class EngineCore:
             out.grammar_bitmask = self.structured.fill_async(_sampling_requests(out), _drafts(out))
         self.last_result = self.runner.execute(out)
         touched = failed + self.scheduler.update(out, self.last_result)
-        self.scheduler.record_step(out, time.perf_counter() - started)
+        self.scheduler.record_step(out, self.last_result, time.perf_counter() - started)
         return touched
 
     def _fail_grammars(self) -> list[Request]:

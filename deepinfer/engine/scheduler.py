@@ -18,7 +18,7 @@ from deepinfer.config import SchedulerConfig, SpeculativeConfig
 from deepinfer.engine.kv_cache import KVCacheManager, chain_hashes
 from deepinfer.engine.outputs import RunnerOutput, ScheduledRequest, SchedulerOutput
 from deepinfer.request import Request, RequestStatus
-from deepinfer.spec.policy import SpeculationGate, StepTimeProfile, choose_verify_lengths, expected_tokens
+from deepinfer.spec.policy import SpeculationGate, StepTimeProfile, choose_verify_lengths
 from deepinfer.spec.stats import SpecDecodeStats
 
 
@@ -41,7 +41,8 @@ class Scheduler:
         # Called as f(request, rejected draft tokens) when verification rejects drafts (e.g. grammar rollback).
         self.rejection_listeners: list[Callable[[Request, list[int]], None]] = []
         self._verify_lens: dict[str, int] = {}
-        self.gate = SpeculationGate()  # adaptive: draft only while it is predicted to beat plain decoding
+        # adaptive: draft only while it is predicted to beat plain decoding
+        self.gate = SpeculationGate(self.lookahead or 1)
         self.forced_drafting: bool | None = None  # set only by the engine's start-up calibration
         # Tokens recomputed before a prefix-cache hit to rebuild bounded state (V4: layers * (window - 1)).
         self.replay_tokens = replay_tokens
@@ -136,9 +137,8 @@ class Scheduler:
             return True
         if self.forced_drafting is not None:
             return self.forced_drafting
-        k = self.speculative.num_speculative_tokens
-        rates = self.spec_stats.acceptance_by_position()[:k]
-        return self.gate.choose(len(self.running), expected_tokens(rates + [0.5] * (k - len(rates)), k))
+        batch = min(len(self.running) + len(self.waiting), self.config.max_num_seqs)  # after admission
+        return self.gate.choose(batch)
 
     def steady_mode(self, out: SchedulerOutput) -> bool | None:
         """For a steady-state decode step (every request one token plus drafts), whether it drafted; None for
@@ -149,15 +149,17 @@ class Scheduler:
             return None
         return out.propose_drafts
 
-    def record_step(self, out: SchedulerOutput, seconds: float) -> None:
+    def record_step(self, out: SchedulerOutput, result: RunnerOutput, seconds: float) -> None:
         """Measurements of a steady-state decode / verify step for the adaptive policy: step time by batched
-        tokens (drafting steps), and step time with and without drafting by batch size. The engine's
-        calibration keeps its own measurements."""
+        tokens and tokens emitted per request (drafting steps), and step time with and without drafting by
+        batch size. The engine's calibration keeps its own measurements."""
         mode = self.steady_mode(out)
         if mode is None or self.forced_drafting is not None:
             return
         if mode:  # the verify cost of extra tokens, measured among drafting steps only
             self.step_profile.record(out.num_tokens, seconds)
+            accepted = sum(len(result.accepted_drafts.get(s.request.request_id, ())) for s in out.scheduled)
+            self.gate.observe(len(out.scheduled), len(out.scheduled) + accepted)
         self.gate.record(len(out.scheduled), mode, seconds)
 
     def _drafts(self, req: Request, n: int, budget: int) -> list[int]:

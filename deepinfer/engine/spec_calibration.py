@@ -7,6 +7,7 @@ freed), the prefix cache is reset, and the speculation counters start from zero.
 from __future__ import annotations
 
 import logging
+import random
 import statistics
 import time
 
@@ -15,8 +16,8 @@ from deepinfer.spec.stats import SpecDecodeStats
 
 logger = logging.getLogger(__name__)
 
-PROMPT_LEN = 32
-MEASURED_STEPS = 6  # steady-state steps timed per batch size and mode
+PROMPT_LEN = 64
+MEASURED_STEPS = 8  # steady-state steps timed per batch size and mode
 MAX_BATCH = 128  # larger batches use the largest measured bucket
 
 
@@ -31,7 +32,7 @@ def calibration_batches(max_num_seqs: int, blocks_per_request: int, num_blocks: 
 
 def calibrate_speculation(engine) -> None:
     k = engine.speculative.num_speculative_tokens
-    max_tokens = (2 * MEASURED_STEPS + 4) * (k + 1)
+    max_tokens = (2 * MEASURED_STEPS + 8) * (k + 1)
     if PROMPT_LEN + max_tokens + k >= min(engine.max_model_len, engine.layout.num_tokens):
         logger.info("speculation calibration skipped: the context is too short; the gate explores instead")
         return
@@ -39,12 +40,12 @@ def calibrate_speculation(engine) -> None:
     batches = calibration_batches(engine.args.max_num_seqs, per_request, engine.layout.num_blocks)
     started = time.perf_counter()
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-    prompt = [3 + i % 8 for i in range(PROMPT_LEN)]  # a repeating pattern, so n-gram lookup drafts too
     sched = engine.scheduler
+    rng = random.Random(0)
     for n, batch in enumerate([1, *batches]):  # the first round warms up and is discarded
         ids = [f"__calibration-{n}-{i}" for i in range(batch)]
         for rid in ids:
-            engine.add_request(rid, prompt, params)
+            engine.add_request(rid, _prompt(rng, engine.model_config.vocab_size), params)
         times = _time_modes(engine, ids)
         for rid in ids:
             engine.abort(rid)
@@ -61,9 +62,16 @@ def calibrate_speculation(engine) -> None:
     logger.info("speculation calibrated at batch sizes %s in %.1f s", batches, time.perf_counter() - started)
 
 
+def _prompt(rng: random.Random, vocab_size: int) -> list[int]:
+    """A random 16-token cycle repeated: n-gram lookup drafts on it, and requests differ from each other (as
+    live ones do: identical requests would route every token to the same experts and time a cheaper step)."""
+    cycle = [rng.randrange(3, vocab_size) for _ in range(16)]
+    return (cycle * (PROMPT_LEN // 16 + 1))[:PROMPT_LEN]
+
+
 def _time_modes(engine, ids: list[str]) -> dict[bool, list[float]]:
-    """Seconds of steady-state steps with drafting (every draft verified), then without. Drafting steps
-    also go to the step-time profile the verify-length policy reads."""
+    """Seconds of steady-state steps with drafting (every draft verified) and without. Drafting steps also
+    go to the step-time profile the verify-length policy reads."""
     sched = engine.scheduler
     reqs = [sched.requests[rid] for rid in ids]
     sched.forced_drafting = True
@@ -72,9 +80,9 @@ def _time_modes(engine, ids: list[str]) -> dict[bool, list[float]]:
             break
         engine.step()
     times: dict[bool, list[float]] = {True: [], False: []}
-    for mode in (True, False):
+    for mode in (True, False, True, False):  # alternating blocks, so a drift of the machine hits both modes
         sched.forced_drafting = mode
-        for _ in range(MEASURED_STEPS + 1):  # the first step of a mode is a switch, not measured
+        for _ in range(MEASURED_STEPS // 2 + 1):  # the first step of a block is a switch, not measured
             started = time.perf_counter()
             engine.step()
             seconds = time.perf_counter() - started

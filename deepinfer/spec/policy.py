@@ -9,6 +9,7 @@ over the whole batch; `fixed_verify_lengths` verifies every draft.
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from collections.abc import Sequence
 
@@ -97,22 +98,25 @@ class StepTimeProfile:
 
 
 class SpeculationGate:
-    """Whether to draft at all (adaptive policy). Drafting pays while a drafting step's expected tokens per
-    request, `expected` (from the measured acceptance by position), outweigh its cost relative to a plain
-    decode step: expected * T_off(B) >= T_on(B). The step times with drafting (draft + verify) and without
-    are kept per batch-size bucket: measured by the engine's start-up calibration (then `frozen`: both
-    modes were timed under the same conditions, whereas live steps would refresh only the mode in use), or
-    without calibration, moving averages of live steps. A prediction within `margin` of break-even is
-    checked by running the other mode for `probe_len` steps (which re-measures acceptance), first after
-    `probe_every` steps, then at doubling intervals (up to 1024 steps) while the choice stands; a clear
-    prediction is followed without probes, so a loaded engine where drafting cannot pay never drafts."""
+    """Whether to draft at all (adaptive policy): while a drafting step's tokens per request, E, outweigh its
+    cost relative to a plain decode step, E * T_off(B) >= min_gain * T_on(B) (a 5% margin for timing error).
 
-    def __init__(self, probe_every: int = 64, probe_len: int = 4, alpha: float = 0.25, margin: float = 0.85):
-        self.probe_every, self.probe_len, self.alpha, self.margin = probe_every, probe_len, alpha, margin
+    T_on (draft + verify every draft) and T_off are step times per batch-size bucket, measured by the
+    engine's start-up calibration and then kept (`frozen`: both modes were timed under the same conditions;
+    live steps would refresh only the mode in use, and a fresh time over a stale one drifts as contexts
+    grow), or without a calibration, moving averages of live steps. E is measured on live drafting steps
+    (tokens emitted per request, whatever the verify-length policy chose), per bucket (the verify-length
+    policy trims more at larger batches) with the other buckets' data as the prior, and the decision uses
+    an upper confidence bound, mean + k / sqrt(n + 1) over n request-steps: drafting runs until the data
+    show it cannot pay, a loaded engine where it cannot pay stops after a step or two, and while drafting
+    is off the counts decay (half-life `half_life` steps), so drafting is eventually re-tried when the
+    traffic may have changed."""
+
+    def __init__(self, k: int = 1, alpha: float = 0.25, half_life: int = 1024, min_gain: float = 1.05):
+        self.k, self.alpha, self.decay, self.min_gain = k, alpha, 0.5 ** (1.0 / half_life), min_gain
         self.times: dict[tuple[int, bool], float] = {}  # (bucket, drafting) -> seconds per decode step
         self.frozen = False
-        self.steps = 0
-        self.period, self.next_probe, self.last_best = probe_every, probe_every, None
+        self.tokens: dict[int, list[float]] = {}  # bucket -> [tokens emitted, request-steps] while drafting
 
     @staticmethod
     def bucket(num_requests: int) -> int:
@@ -126,26 +130,37 @@ class SpeculationGate:
         old = self.times.get(key)
         self.times[key] = seconds if old is None else old + self.alpha * (seconds - old)
 
+    def observe(self, num_requests: int, emitted: int) -> None:
+        """A steady-state drafting step emitted `emitted` tokens over `num_requests` requests."""
+        counts = self.tokens.setdefault(self.bucket(num_requests), [0.0, 0.0])
+        counts[0] += emitted
+        counts[1] += num_requests
+
+    def optimistic_tokens(self, num_requests: int) -> float:
+        """Upper confidence bound of tokens per request and drafting step (k + 1 before any data)."""
+        emitted, n = self.tokens.get(self.bucket(num_requests), (0.0, 0.0))
+        if n == 0:  # the other buckets' data as the prior
+            emitted, n = sum(c[0] for c in self.tokens.values()), sum(c[1] for c in self.tokens.values())
+        mean = emitted / n if n else self.k + 1.0
+        return min(mean + self.k / math.sqrt(n + 1), self.k + 1.0)
+
     def predicted_gain(self, num_requests: int, expected: float) -> float | None:
-        """Predicted decode rate with drafting over without, from the nearest bucket measured in both modes."""
+        """Predicted decode rate with drafting over without, from the nearest bucket timed in both modes."""
         b = self.bucket(num_requests)
-        measured = [m for m in {m for m, _ in self.times} if (m, True) in self.times and (m, False) in self.times]
-        if not measured:
+        timed = [m for m in {m for m, _ in self.times} if (m, True) in self.times and (m, False) in self.times]
+        if not timed:
             return None
-        m = min(measured, key=lambda m: (abs(m - b), m))
+        m = min(timed, key=lambda m: (abs(m - b), m))
         return expected * self.times[(m, False)] / self.times[(m, True)]
 
-    def choose(self, num_requests: int, expected: float) -> bool:
-        self.steps += 1
-        gain = self.predicted_gain(num_requests, expected)
-        if gain is None:  # nothing measured (no calibration): drafting first, then plain decoding
-            return (self.bucket(num_requests), True) not in self.times
-        best = gain >= 1.0
-        if not self.margin <= gain <= 1.0 / self.margin:  # a clear case: no probes
-            self.period, self.next_probe, self.last_best = self.probe_every, self.steps + self.probe_every, best
-            return best
-        if self.steps >= self.next_probe + self.probe_len:  # a probe just ended
-            self.period = min(2 * self.period, 1024) if best == self.last_best else self.probe_every
-            self.last_best, self.next_probe = best, self.steps + self.period
-        probing = self.next_probe <= self.steps < self.next_probe + self.probe_len
-        return best != probing
+    def choose(self, num_requests: int) -> bool:
+        gain = self.predicted_gain(num_requests, self.optimistic_tokens(num_requests))
+        if gain is None:  # nothing timed (no calibration): drafting first, then plain decoding
+            drafting = (self.bucket(num_requests), True) not in self.times
+        else:
+            drafting = gain >= self.min_gain
+        if not drafting:
+            for counts in self.tokens.values():
+                counts[0] *= self.decay
+                counts[1] *= self.decay
+        return drafting
