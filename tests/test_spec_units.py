@@ -281,9 +281,9 @@ def test_gate_drafts_until_the_data_show_it_cannot_pay():
     # drafting costs 2.83x a plain step at batch 32; it must gain min_gain = 1.05: E >= 2.975
     gate.times = {(6, True): 0.085, (6, False): 0.030, (1, True): 0.015, (1, False): 0.010}
     assert gate.optimistic_tokens(32) == 4.0 and gate.choose(32)  # no data: up to 4 tokens, 1.41x: try
-    gate.observe(32, 32 * 2.5)  # 2.5 tokens per request: the bound 2.5 + 3 / sqrt(33) = 3.02 still hopes
+    gate.observe(32, 32 * 2.5, 32 * 3)  # 2.5 tokens per request: the bound 2.5 + 3 / sqrt(33) = 3.02 hopes
     assert gate.optimistic_tokens(32) == pytest.approx(2.5 + 3 / 33 ** 0.5) and gate.choose(32)
-    gate.observe(32, 32 * 2.5)
+    gate.observe(32, 32 * 2.5, 32 * 3)
     assert not gate.choose(32)  # 2.5 + 3 / sqrt(65) = 2.87: stops after two steps
     assert gate.choose(1)  # batch 1 has no data of its own: batch 32's as the prior, 2.87 * 0.67 = 1.9
     # while off, the counts decay (half-life 1024 steps), so drafting is re-tried once the bound is back
@@ -296,8 +296,8 @@ def test_gate_data_are_per_batch_bucket():
     gate = SpeculationGate(k=3)
     gate.times = {(b, m): (0.05 if m else 0.02) for b in (1, 6) for m in (True, False)}  # 2.5x slower drafting
     for _ in range(100):
-        gate.observe(1, 4)  # batch 1: every draft accepted
-        gate.observe(32, 64)  # batch 32: the verify-length policy verifies fewer: 2 tokens per request
+        gate.observe(1, 4, 3)  # batch 1: every draft accepted
+        gate.observe(32, 64, 96)  # batch 32: 2 tokens per request
     assert gate.choose(1) and not gate.choose(32)
 
 
@@ -318,6 +318,17 @@ def test_adaptive_scheduler_stops_drafting_when_plain_decoding_is_faster():
     # drafting is measured on a step that verifies drafts, plain decoding on one after the switch settles
     assert modes[:4] == [True, False, False, False] and not any(modes[4:12])
     assert all(s.num_drafts == 0 for s in out.scheduled)
+
+
+def test_gate_credits_drafts_the_verify_length_policy_leaves_unverified():
+    gate = SpeculationGate(k=3)
+    gate.times = {(6, True): 0.065, (6, False): 0.025}  # T_on: every one of 3 drafts verified
+    gate.observe(32, 64, 32)  # 2 tokens per request from 1 verified draft each: 2 of 3 left unverified
+    assert gate.unverified_drafts(32) == 2.0
+    assert not gate.choose(32)  # against the full T_on: 2.52 * 25 / 65 = 0.97
+    # 64 fewer batched tokens at 0.2 ms each: T_on 52.2 ms, 2.52 * 25 / 52.2 = 1.21
+    assert gate.predicted_gain(32, gate.optimistic_tokens(32), 0.0128) == pytest.approx(2.522 * 25 / 52.2, rel=1e-3)
+    assert gate.choose(32, seconds_per_token=0.0002)
 
 
 def test_gate_judges_a_step_by_its_batch_after_admission():

@@ -138,7 +138,8 @@ class Scheduler:
         if self.forced_drafting is not None:
             return self.forced_drafting
         batch = min(len(self.running) + len(self.waiting), self.config.max_num_seqs)  # after admission
-        return self.gate.choose(batch)
+        line = self.step_profile.line()
+        return self.gate.choose(batch, line[1] if line else 0.0)
 
     def steady_mode(self, out: SchedulerOutput) -> bool | None:
         """For a steady-state decode step (every request one token plus drafts), whether it drafted; None for
@@ -159,7 +160,8 @@ class Scheduler:
         if mode:  # the verify cost of extra tokens, measured among drafting steps only
             self.step_profile.record(out.num_tokens, seconds)
             accepted = sum(len(result.accepted_drafts.get(s.request.request_id, ())) for s in out.scheduled)
-            self.gate.observe(len(out.scheduled), len(out.scheduled) + accepted)
+            verified = sum(s.num_drafts for s in out.scheduled)
+            self.gate.observe(len(out.scheduled), len(out.scheduled) + accepted, verified)
         self.gate.record(len(out.scheduled), mode, seconds)
 
     def _drafts(self, req: Request, n: int, budget: int) -> list[int]:

@@ -104,7 +104,8 @@ class SpeculationGate:
     T_on (draft + verify every draft) and T_off are step times per batch-size bucket, measured by the
     engine's start-up calibration and then kept (`frozen`: both modes were timed under the same conditions;
     live steps would refresh only the mode in use, and a fresh time over a stale one drifts as contexts
-    grow), or without a calibration, moving averages of live steps. E is measured on live drafting steps
+    grow), or without a calibration, moving averages of live steps; T_on is lowered by the verify cost of the
+    drafts the verify-length policy leaves unverified (measured). E is measured on live drafting steps
     (tokens emitted per request, whatever the verify-length policy chose), per bucket (the verify-length
     policy trims more at larger batches) with the other buckets' data as the prior, and the decision uses
     an upper confidence bound, mean + k / sqrt(n + 1) over n request-steps: drafting runs until the data
@@ -130,31 +131,47 @@ class SpeculationGate:
         old = self.times.get(key)
         self.times[key] = seconds if old is None else old + self.alpha * (seconds - old)
 
-    def observe(self, num_requests: int, emitted: int) -> None:
-        """A steady-state drafting step emitted `emitted` tokens over `num_requests` requests."""
-        counts = self.tokens.setdefault(self.bucket(num_requests), [0.0, 0.0])
+    def observe(self, num_requests: int, emitted: int, verified: int) -> None:
+        """A steady-state drafting step emitted `emitted` tokens and verified `verified` drafts over
+        `num_requests` requests."""
+        counts = self.tokens.setdefault(self.bucket(num_requests), [0.0, 0.0, 0.0])
         counts[0] += emitted
         counts[1] += num_requests
+        counts[2] += verified
 
     def optimistic_tokens(self, num_requests: int) -> float:
         """Upper confidence bound of tokens per request and drafting step (k + 1 before any data)."""
-        emitted, n = self.tokens.get(self.bucket(num_requests), (0.0, 0.0))
-        if n == 0:  # the other buckets' data as the prior
-            emitted, n = sum(c[0] for c in self.tokens.values()), sum(c[1] for c in self.tokens.values())
+        emitted, n, _ = self._counts(num_requests)
         mean = emitted / n if n else self.k + 1.0
         return min(mean + self.k / math.sqrt(n + 1), self.k + 1.0)
 
-    def predicted_gain(self, num_requests: int, expected: float) -> float | None:
-        """Predicted decode rate with drafting over without, from the nearest bucket timed in both modes."""
+    def unverified_drafts(self, num_requests: int) -> float:
+        """Drafts per request the verify-length policy leaves unverified (0 before any data)."""
+        _, n, verified = self._counts(num_requests)
+        return max(self.k - verified / n, 0.0) if n else 0.0
+
+    def _counts(self, num_requests: int) -> list[float]:
+        """[emitted, request-steps, verified] of the bucket, else of all buckets (the prior)."""
+        counts = self.tokens.get(self.bucket(num_requests))
+        if counts and counts[1] > 0:
+            return counts
+        return [sum(c[i] for c in self.tokens.values()) for i in range(3)]
+
+    def predicted_gain(self, num_requests: int, expected: float, saved: float = 0.0) -> float | None:
+        """Predicted decode rate with drafting over without, from the nearest bucket timed in both modes;
+        `saved`: seconds a drafting step saves against T_on by verifying fewer drafts than all."""
         b = self.bucket(num_requests)
         timed = [m for m in {m for m, _ in self.times} if (m, True) in self.times and (m, False) in self.times]
         if not timed:
             return None
         m = min(timed, key=lambda m: (abs(m - b), m))
-        return expected * self.times[(m, False)] / self.times[(m, True)]
+        on = self.times[(m, True)]
+        return expected * self.times[(m, False)] / max(on - saved, on / 2)
 
-    def choose(self, num_requests: int) -> bool:
-        gain = self.predicted_gain(num_requests, self.optimistic_tokens(num_requests))
+    def choose(self, num_requests: int, seconds_per_token: float = 0.0) -> bool:
+        """`seconds_per_token`: the verify cost of one more batched token (the step-time profile's slope)."""
+        saved = seconds_per_token * num_requests * self.unverified_drafts(num_requests)
+        gain = self.predicted_gain(num_requests, self.optimistic_tokens(num_requests), saved)
         if gain is None:  # nothing timed (no calibration): drafting first, then plain decoding
             drafting = (self.bucket(num_requests), True) not in self.times
         else:
