@@ -324,11 +324,13 @@ def test_gate_credits_drafts_the_verify_length_policy_leaves_unverified():
     gate = SpeculationGate(k=3)
     gate.times = {(6, True): 0.065, (6, False): 0.025}  # T_on: every one of 3 drafts verified
     gate.observe(32, 64, 32)  # 2 tokens per request from 1 verified draft each: 2 of 3 left unverified
-    assert gate.unverified_drafts(32) == 2.0
+    assert gate.unverified_drafts(32) == 2.0 and gate.token_seconds() == 0.0
     assert not gate.choose(32)  # against the full T_on: 2.52 * 25 / 65 = 0.97
+    gate.times[(1, False)] = 0.0188  # plain steps: 6.2 ms more for 31 more requests, 0.2 ms per token
+    assert gate.token_seconds() == pytest.approx(0.0002)
     # 64 fewer batched tokens at 0.2 ms each: T_on 52.2 ms, 2.52 * 25 / 52.2 = 1.21
     assert gate.predicted_gain(32, gate.optimistic_tokens(32), 0.0128) == pytest.approx(2.522 * 25 / 52.2, rel=1e-3)
-    assert gate.choose(32, seconds_per_token=0.0002)
+    assert gate.choose(32)
 
 
 def test_gate_judges_a_step_by_its_batch_after_admission():

@@ -138,8 +138,7 @@ class Scheduler:
         if self.forced_drafting is not None:
             return self.forced_drafting
         batch = min(len(self.running) + len(self.waiting), self.config.max_num_seqs)  # after admission
-        line = self.step_profile.line()
-        return self.gate.choose(batch, line[1] if line else 0.0)
+        return self.gate.choose(batch)
 
     def steady_mode(self, out: SchedulerOutput) -> bool | None:
         """For a steady-state decode step (every request one token plus drafts), whether it drafted; None for

@@ -98,19 +98,19 @@ class StepTimeProfile:
 
 
 class SpeculationGate:
-    """Whether to draft at all (adaptive policy): while a drafting step's tokens per request, E, outweigh its
-    cost relative to a plain decode step, E * T_off(B) >= min_gain * T_on(B) (a 5% margin for timing error).
+    """Whether to draft at all (adaptive policy): while a drafting step's tokens per request, E, outweigh its cost
+    relative to a plain decode step, E * T_off(B) >= min_gain * T_on(B) (a 5% margin for timing error).
 
-    T_on (draft + verify every draft) and T_off are step times per batch-size bucket, measured by the
-    engine's start-up calibration and then kept (`frozen`: both modes were timed under the same conditions;
-    live steps would refresh only the mode in use, and a fresh time over a stale one drifts as contexts
-    grow), or without a calibration, moving averages of live steps; T_on is lowered by the verify cost of the
-    drafts the verify-length policy leaves unverified (measured). E is measured on live drafting steps
-    (tokens emitted per request, whatever the verify-length policy chose), per bucket (the verify-length
-    policy trims more at larger batches) with the other buckets' data as the prior, and the decision uses
-    an upper confidence bound, mean + k / sqrt(n + 1) over n request-steps: drafting runs until the data
-    show it cannot pay, a loaded engine where it cannot pay stops after a step or two, and while drafting
-    is off the counts decay (half-life `half_life` steps), so drafting is eventually re-tried when the
+    T_on (draft + verify every draft) and T_off are step times per batch-size bucket, measured by the engine's
+    start-up calibration and then kept (`frozen`: both modes were timed under the same conditions; live steps
+    would refresh only the mode in use, and a fresh time over a stale one drifts as contexts grow), or without a
+    calibration, moving averages of live steps; T_on is lowered by the verify cost of the drafts the verify-
+    length policy leaves unverified (measured; per token, the slope of T_off over B). E is measured on live
+    drafting steps (tokens emitted per request, whatever the verify-length policy chose), per bucket (the
+    verify-length policy trims more at larger batches) with the other buckets' data as the prior, and the
+    decision uses an upper confidence bound, mean + k / sqrt(n + 1) over n request-steps: drafting runs until
+    the data show it cannot pay, a loaded engine where it cannot pay stops after a step or two, and while
+    drafting is off the counts decay (half-life `half_life` steps), so drafting is eventually re-tried when the
     traffic may have changed."""
 
     def __init__(self, k: int = 1, alpha: float = 0.25, half_life: int = 1024, min_gain: float = 1.05):
@@ -168,9 +168,19 @@ class SpeculationGate:
         on = self.times[(m, True)]
         return expected * self.times[(m, False)] / max(on - saved, on / 2)
 
-    def choose(self, num_requests: int, seconds_per_token: float = 0.0) -> bool:
-        """`seconds_per_token`: the verify cost of one more batched token (the step-time profile's slope)."""
-        saved = seconds_per_token * num_requests * self.unverified_drafts(num_requests)
+    def token_seconds(self) -> float:
+        """Cost of one more batched token: the least-squares slope of the plain steps' times over the batch
+        sizes timed (bucket b is timed at batch 2^(b-1)); 0 with fewer than two. Not the drafting steps'
+        slope, which also carries the drafting cost per request (an MTP layer), unaffected by verification."""
+        points = [(2 ** (b - 1), t) for (b, drafting), t in self.times.items() if not drafting]
+        if len(points) < 2:
+            return 0.0
+        mx, my = sum(x for x, _ in points) / len(points), sum(y for _, y in points) / len(points)
+        sxx = sum((x - mx) ** 2 for x, _ in points)
+        return max(sum((x - mx) * (y - my) for x, y in points) / sxx, 0.0)
+
+    def choose(self, num_requests: int) -> bool:
+        saved = self.token_seconds() * num_requests * self.unverified_drafts(num_requests)
         gain = self.predicted_gain(num_requests, self.optimistic_tokens(num_requests), saved)
         if gain is None:  # nothing timed (no calibration): drafting first, then plain decoding
             drafting = (self.bucket(num_requests), True) not in self.times
