@@ -281,15 +281,15 @@ def test_gate_drafts_until_the_data_show_it_cannot_pay():
     # drafting costs 2.83x a plain step at batch 32; it must gain min_gain = 1.05: E >= 2.975
     gate.times = {(6, True): 0.085, (6, False): 0.030, (1, True): 0.015, (1, False): 0.010}
     assert gate.optimistic_tokens(32) == 4.0 and gate.choose(32)  # no data: up to 4 tokens, 1.41x: try
-    gate.observe(32, 32 * 2.5, 32 * 3)  # 2.5 tokens per request: the bound 2.5 + 3 / sqrt(33) = 3.02 hopes
-    assert gate.optimistic_tokens(32) == pytest.approx(2.5 + 3 / 33 ** 0.5) and gate.choose(32)
-    gate.observe(32, 32 * 2.5, 32 * 3)
-    assert not gate.choose(32)  # 2.5 + 3 / sqrt(65) = 2.87: stops after two steps
-    assert gate.choose(1)  # batch 1 has no data of its own: batch 32's as the prior, 2.87 * 0.67 = 1.9
+    gate.observe(32, 32 * 2.75, 32 * 3)  # 2.75 tokens per request: the bound 2.75 + 1.5 / sqrt(33) = 3.01
+    assert gate.optimistic_tokens(32) == pytest.approx(2.75 + 1.5 / 33 ** 0.5) and gate.choose(32)
+    gate.observe(32, 32 * 2.75, 32 * 3)
+    assert not gate.choose(32)  # 2.75 + 1.5 / sqrt(65) = 2.94: stops after two steps
+    assert gate.choose(1)  # batch 1 has no data of its own: batch 32's as the prior, 2.94 * 0.67 = 1.96
     # while off, the counts decay (half-life 1024 steps), so drafting is re-tried once the bound is back
-    # above 2.975: n < 38.9, about 1024 * log2(64 / 38.9) = 735 steps later
+    # above 2.975: n < 43.4, about 1024 * log2(64 / 43.4) = 574 steps later
     modes = [gate.choose(32) for _ in range(1000)]
-    assert 725 < modes.index(True) < 745 and gate.tokens[6][1] < 39
+    assert 560 < modes.index(True) < 585 and gate.tokens[6][1] < 43.5
 
 
 def test_gate_data_are_per_batch_bucket():
@@ -325,11 +325,11 @@ def test_gate_credits_drafts_the_verify_length_policy_leaves_unverified():
     gate.times = {(6, True): 0.065, (6, False): 0.025}  # T_on: every one of 3 drafts verified
     gate.observe(32, 64, 32)  # 2 tokens per request from 1 verified draft each: 2 of 3 left unverified
     assert gate.unverified_drafts(32) == 2.0 and gate.token_seconds() == 0.0
-    assert not gate.choose(32)  # against the full T_on: 2.52 * 25 / 65 = 0.97
+    assert not gate.choose(32)  # against the full T_on: (2 + 1.5 / sqrt(33)) * 25 / 65 = 0.87
     gate.times[(1, False)] = 0.0188  # plain steps: 6.2 ms more for 31 more requests, 0.2 ms per token
     assert gate.token_seconds() == pytest.approx(0.0002)
-    # 64 fewer batched tokens at 0.2 ms each: T_on 52.2 ms, 2.52 * 25 / 52.2 = 1.21
-    assert gate.predicted_gain(32, gate.optimistic_tokens(32), 0.0128) == pytest.approx(2.522 * 25 / 52.2, rel=1e-3)
+    # 64 fewer batched tokens at 0.2 ms each: T_on 52.2 ms, 2.261 * 25 / 52.2 = 1.08
+    assert gate.predicted_gain(32, gate.optimistic_tokens(32), 0.0128) == pytest.approx(2.2611 * 25 / 52.2, rel=1e-3)
     assert gate.choose(32)
 
 

@@ -108,7 +108,7 @@ class SpeculationGate:
     length policy leaves unverified (measured; per token, the slope of T_off over B). E is measured on live
     drafting steps (tokens emitted per request, whatever the verify-length policy chose), per bucket (the
     verify-length policy trims more at larger batches) with the other buckets' data as the prior, and the
-    decision uses an upper confidence bound, mean + k / sqrt(n + 1) over n request-steps: drafting runs until
+    decision uses an upper confidence bound, mean + (k / 2) / sqrt(n + 1) over n request-steps: drafting runs until
     the data show it cannot pay, a loaded engine where it cannot pay stops after a step or two, and while
     drafting is off the counts decay (half-life `half_life` steps), so drafting is eventually re-tried when the
     traffic may have changed."""
@@ -140,10 +140,11 @@ class SpeculationGate:
         counts[2] += verified
 
     def optimistic_tokens(self, num_requests: int) -> float:
-        """Upper confidence bound of tokens per request and drafting step (k + 1 before any data)."""
+        """Upper confidence bound of tokens per request and drafting step, one standard deviation (at most half
+        the range, k / 2) over sqrt(n + 1) above the mean; k + 1 before any data."""
         emitted, n, _ = self._counts(num_requests)
         mean = emitted / n if n else self.k + 1.0
-        return min(mean + self.k / math.sqrt(n + 1), self.k + 1.0)
+        return min(mean + 0.5 * self.k / math.sqrt(n + 1), self.k + 1.0)  # std <= half the range, k
 
     def unverified_drafts(self, num_requests: int) -> float:
         """Drafts per request the verify-length policy leaves unverified (0 before any data)."""
