@@ -29,6 +29,7 @@ from deepinfer.training.corpus import iter_documents
 RESULTS = Path(__file__).parent / "results"
 METHODS = {
     "none": None,
+    "none (again)": None,  # a control: the spread between two identical configurations of one round
     "ngram k=3": {"method": "ngram", "num_speculative_tokens": 3},
     "mtp k=3": {"method": "mtp", "num_speculative_tokens": 3},
     "mtp k=3 adaptive": {"method": "mtp", "num_speculative_tokens": 3, "verify_policy": "adaptive"},
