@@ -45,26 +45,22 @@ class _EngineStatsCollector:
             "num_preemptions": ("requests preempted by the scheduler", "num_preemptions"),
             "prefix_cache_queries": ("prompt tokens looked up in the prefix cache", "prefix_queries"),
             "prefix_cache_hits": ("prompt tokens found in the prefix cache", "prefix_hits"),
+            # speculative decoding, named like vLLM's so benchmark tools read either engine
+            "spec_decode_num_drafts": ("verification rounds with draft tokens", "spec_num_drafts"),
+            "spec_decode_num_draft_tokens": ("draft tokens verified", "spec_num_draft_tokens"),
+            "spec_decode_num_accepted_tokens": ("draft tokens accepted", "spec_num_accepted_tokens"),
         }
         for name, (doc, attr) in counters.items():
             yield CounterMetricFamily(PREFIX + name, doc, value=getattr(s, attr, 0))
-        yield from _spec_decode_counters(s)
+        yield _accepted_per_position(s)
 
 
-def _spec_decode_counters(s) -> Iterator[Metric]:
-    """Speculative decoding, named like vLLM's so benchmark tools read either engine."""
-    counters = {
-        "spec_decode_num_drafts": ("verification rounds with draft tokens", "spec_num_drafts"),
-        "spec_decode_num_draft_tokens": ("draft tokens verified", "spec_num_draft_tokens"),
-        "spec_decode_num_accepted_tokens": ("draft tokens accepted", "spec_num_accepted_tokens"),
-    }
-    for name, (doc, attr) in counters.items():
-        yield CounterMetricFamily(PREFIX + name, doc, value=getattr(s, attr, 0))
+def _accepted_per_position(s) -> Metric:
     per_pos = CounterMetricFamily(PREFIX + "spec_decode_num_accepted_tokens_per_pos",
                                   "draft tokens accepted, by position in the draft", labels=["position"])
     for pos, count in enumerate(getattr(s, "spec_accepted_per_pos", None) or []):
         per_pos.add_metric([str(pos)], count)
-    yield per_pos
+    return per_pos
 
 
 class Metrics:

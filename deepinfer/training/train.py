@@ -71,14 +71,18 @@ class TrainConfig:
 # --- data --------------------------------------------------------------------------------------------
 def token_stream(cfg: TrainConfig, split: str) -> np.ndarray:
     """The split tokenised once (BOS before each document) and cached next to the run."""
-    cache = cfg.out / "data" / f"{split}.npy"
+    return tokenized_split(cfg.out / "data" / f"{split}.npy", cfg.out / "tokenizer", split, cfg.max_corpus_bytes)
+
+
+def tokenized_split(cache: Path, tokenizer_dir: Path, split: str, max_bytes: int | None) -> np.ndarray:
+    """Corpus `split` tokenised with the tokenizer in `tokenizer_dir` (BOS before each document), cached."""
     if cache.exists():
         return np.load(cache)
     from deepinfer.tokenizer import Tokenizer
     from deepinfer.training import corpus
 
-    tok = Tokenizer.from_dir(cfg.out / "tokenizer")
-    docs = list(corpus.iter_documents(split, max_bytes=cfg.max_corpus_bytes))
+    tok = Tokenizer.from_dir(tokenizer_dir)
+    docs = list(corpus.iter_documents(split, max_bytes=max_bytes))
     ids = [t for enc in tok.inner.encode_batch(docs, add_special_tokens=False) for t in [tok.bos_token_id, *enc.ids]]
     arr = np.asarray(ids, dtype=np.int32)
     cache.parent.mkdir(parents=True, exist_ok=True)
@@ -88,8 +92,12 @@ def token_stream(cfg: TrainConfig, split: str) -> np.ndarray:
 
 def sample_batch(stream: np.ndarray, cfg: TrainConfig, extra: int, gen: torch.Generator) -> torch.Tensor:
     """[batch, seq_len + 1 + extra] random windows of the stream."""
-    span = cfg.seq_len + 1 + extra
-    starts = torch.randint(0, len(stream) - span, (cfg.batch,), generator=gen).tolist()
+    return random_windows(stream, cfg.batch, cfg.seq_len + 1 + extra, gen)
+
+
+def random_windows(stream: np.ndarray, count: int, span: int, gen: torch.Generator) -> torch.Tensor:
+    """[count, span] windows of the stream at random starts (int64)."""
+    starts = torch.randint(0, len(stream) - span, (count,), generator=gen).tolist()
     return torch.from_numpy(np.stack([stream[s:s + span] for s in starts]).astype(np.int64))
 
 

@@ -36,7 +36,7 @@ from tqdm.auto import tqdm
 
 from deepinfer.config import ModelConfig
 from deepinfer.models.dspark import DSparkConfig, DSparkDrafter, LayerTap
-from deepinfer.training.train import fresh_cache, sequence_meta
+from deepinfer.training.train import fresh_cache, random_windows, sequence_meta, tokenized_split
 
 
 @dataclass
@@ -72,18 +72,7 @@ def _target_path(cfg: DSparkTrainConfig) -> Path:
 
 def token_stream(cfg: DSparkTrainConfig) -> np.ndarray:
     """The training split, tokenised with the target's tokenizer (BOS before each document), cached."""
-    cache = cfg.out / "data" / "train.npy"
-    if cache.exists():
-        return np.load(cache)
-    from deepinfer.tokenizer import Tokenizer
-    from deepinfer.training import corpus
-
-    tok = Tokenizer.from_dir(_target_path(cfg))
-    docs = list(corpus.iter_documents("train", max_bytes=cfg.max_corpus_bytes))
-    ids = [t for enc in tok.inner.encode_batch(docs, add_special_tokens=False) for t in [tok.bos_token_id, *enc.ids]]
-    cache.parent.mkdir(parents=True, exist_ok=True)
-    np.save(cache, np.asarray(ids, dtype=np.int32))
-    return np.load(cache)
+    return tokenized_split(cfg.out / "data" / "train.npy", _target_path(cfg), "train", cfg.max_corpus_bytes)
 
 
 def generated_sequences(cfg: DSparkTrainConfig, stream: np.ndarray) -> np.ndarray:
@@ -122,16 +111,13 @@ class WindowSampler:
     def sample(self) -> tuple[torch.Tensor, torch.Tensor]:
         cfg, gen = self.cfg, self.gen
         if cfg.data == "text":
-            span = self.seq_len + 1 + cfg.num_draft_tokens
-            starts = torch.randint(0, len(self.stream) - span, (cfg.batch,), generator=gen).tolist()
-            window = np.stack([self.stream[s:s + span] for s in starts])
-            rows = torch.randperm(cfg.batch * self.seq_len, generator=gen)[:cfg.positions]
-        else:
-            window = self.seqs[torch.randint(0, len(self.seqs), (cfg.batch,), generator=gen).numpy()]
-            # anchors t >= prompt_len - 1: every drafted token t + 2 .. is the target's own greedy output
-            first = cfg.prompt_len - 1
-            valid = (torch.arange(cfg.batch)[:, None] * self.seq_len + torch.arange(first, self.seq_len)).flatten()
-            rows = valid[torch.randperm(len(valid), generator=gen)[:cfg.positions]]
+            window = random_windows(self.stream, cfg.batch, self.seq_len + 1 + cfg.num_draft_tokens, gen)
+            return window, torch.randperm(cfg.batch * self.seq_len, generator=gen)[:cfg.positions]
+        window = self.seqs[torch.randint(0, len(self.seqs), (cfg.batch,), generator=gen).numpy()]
+        # anchors t >= prompt_len - 1: every drafted token t + 2 .. is the target's own greedy output
+        first = cfg.prompt_len - 1
+        valid = (torch.arange(cfg.batch)[:, None] * self.seq_len + torch.arange(first, self.seq_len)).flatten()
+        rows = valid[torch.randperm(len(valid), generator=gen)[:cfg.positions]]
         return torch.from_numpy(window.astype(np.int64)), rows
 
 
