@@ -101,7 +101,7 @@ def sweep_args(url: str, path: Path, label: str, quick: bool) -> argparse.Namesp
             "--prompts-per-concurrency", "1", "--random-input-len", str(input_len), "--random-output-len",
             str(output_len), "--vocab-size", str(BENCH_V4["vocab_size"]), "--warmup", "2", "--label", label,
             "--goodput", "ttft:2000", "tpot:100", "--no-progress"]
-    return cli.build_parser().parse_args(argv)
+    return cli.build_parser(argv).parse_args(argv)
 
 
 def run_engine(engine: str, name: str, path: Path, logs: Path, quick: bool) -> dict:

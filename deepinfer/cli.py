@@ -249,14 +249,17 @@ def _chat_turn(session: ChatSession, line: str, interactive: bool) -> None:
 
 
 # --- parser and entry point --------------------------------------------------------------------
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
+    """The whole parser. The benchmark subcommands (and their imports) load only when `argv` names
+    `bench`, so `generate`, `chat` and `serve` never import what only the benchmarks need."""
     parser = argparse.ArgumentParser(prog="deepinfer", description="Run DeepSeek models locally.")
     parser.add_argument("--version", action="version", version=f"deepinfer {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_generate_parser(commands)
     _add_chat_parser(commands)
     _add_serve_parser(commands)
-    _add_bench_parser(commands)
+    wants_bench = argv is not None and "bench" in argv
+    (_add_bench_parser if wants_bench else _add_bench_placeholder)(commands)
     return parser
 
 
@@ -334,8 +337,19 @@ def _bench_entry(module: str, entry: str):
     return run
 
 
+_BENCH_HELP = "benchmarks (see `deepinfer bench --help`)"
+
+
+def _add_bench_placeholder(commands) -> None:
+    """`bench` listed in the help without loading its modules; reached only if `bench` was not seen in
+    argv (never, in practice), it parses again with the real subcommands."""
+    sub = commands.add_parser("bench", help=_BENCH_HELP, add_help=False)
+    sub.add_argument("bench_args", nargs=argparse.REMAINDER)
+    sub.set_defaults(handler=lambda args: main(["bench", *args.bench_args]))
+
+
 def _add_bench_parser(commands) -> None:
-    bench = commands.add_parser("bench", help="benchmarks (see `deepinfer bench --help`)")
+    bench = commands.add_parser("bench", help=_BENCH_HELP)
     sub_commands = bench.add_subparsers(dest="bench_command", required=True, metavar="BENCH")
     for name, (module, entry, adder, help_text) in _BENCH_COMMANDS.items():
         sub = sub_commands.add_parser(name, help=help_text)
@@ -347,7 +361,8 @@ def _add_bench_parser(commands) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """Run the command line; returns the exit status (argparse usage errors exit 2 themselves)."""
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser(argv).parse_args(argv)
     setup_logging()
     try:
         return args.handler(args)

@@ -153,3 +153,60 @@ def test_python_m_entry_point(ckpt):
     bad_cmd = [*cmd[:5], "no/such/dir", "--prompt-token-ids", "1"]
     bad = subprocess.run(bad_cmd, capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and bad.stderr.startswith("error: ") and not bad.stdout
+
+
+# --- what a fresh install (the README's first command, no extras) must be able to run ---------------
+_EXTRAS_ONLY = ("matplotlib", "transformers", "openai", "hypothesis", "accelerate", "schemathesis")
+
+
+def test_generate_and_parsers_need_no_extra(ckpt):
+    """`deepinfer generate` and every subcommand's parser run with the test/bench extras unimportable,
+    and generate never loads the benchmark client (httpx)."""
+    script = (f"import sys\nsys.modules.update(dict.fromkeys({_EXTRAS_ONLY!r}))\n"
+              "from deepinfer import cli\n"
+              f"code = cli.main(['generate', '--model', {str(ckpt)!r}, '--prompt-token-ids', '0,5', '--max-tokens',"
+              f" '2', '--json', *{FAST!r}])\n"
+              "assert code == 0 and 'httpx' not in sys.modules, (code, sorted(sys.modules))\n"
+              "for argv in (['serve'], ['bench', 'serve', '--help']):\n"
+              "    try:\n        cli.build_parser(argv).parse_args(argv)\n"
+              "    except SystemExit as e:\n        assert e.code == 0, argv\n")
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert len(json_lines(proc.stdout.split("usage:")[0])[0]["token_ids"]) == 2
+
+
+def _module_level_imports(path) -> set[str]:
+    """Top-level package names imported at module level (imports inside functions are lazy on purpose)."""
+    import ast
+
+    names = set()
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.Import):
+            names |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names.add(node.module.split(".")[0])
+    return names
+
+
+def test_module_level_imports_are_declared_dependencies():
+    """Every third-party package imported at module level by deepinfer/ is a runtime dependency in
+    pyproject.toml (or one of theirs), so the README's plain install can import every module."""
+    import importlib.metadata as md
+    import re
+    import tomllib
+    from pathlib import Path
+
+    def name(requirement: str) -> str:
+        return re.match(r"[A-Za-z0-9_.-]+", requirement).group(0).lower()
+
+    root = Path(cli.__file__).parent
+    declared = {name(r) for r in tomllib.loads((root.parent / "pyproject.toml").read_text())["project"]["dependencies"]}
+    allowed = declared | {name(r) for d in declared for r in (md.requires(d) or []) if "extra" not in r}
+    dists = md.packages_distributions()
+    undeclared = {}
+    for path in root.rglob("*.py"):
+        for name in _module_level_imports(path) - set(sys.stdlib_module_names) - {"deepinfer"}:
+            found = [d.lower() for d in dists.get(name, [name])]
+            if not any(d.replace("_", "-") in {a.replace("_", "-") for a in allowed} for d in found):
+                undeclared[str(path.relative_to(root))] = name
+    assert not undeclared, undeclared

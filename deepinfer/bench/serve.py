@@ -48,6 +48,7 @@ from deepinfer.bench.metrics import (
     summarize,
     tpot,
 )
+from deepinfer.bench.plotting import pyplot
 
 ENDPOINT_PATHS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
 DEFAULT_BASE_URL = "http://127.0.0.1:8000"
@@ -305,10 +306,7 @@ def _cdf(ax, values_ms: list[float], title: str) -> None:
 
 def write_plots(directory: str, records: Sequence[RequestRecord]) -> list[Path]:
     """TTFT CDF, TPOT CDF and ITL histogram of the successful records, one PNG each."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     ok = [r for r in records if r.success]
     series = {"ttft_cdf": [r.ttft * 1e3 for r in ok], "tpot_cdf": [t * 1e3 for t in map(tpot, ok) if t is not None],

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from deepinfer.bench.machine import machine_facts
+from deepinfer.bench.plotting import pyplot
 from deepinfer.bench.serve import (
     add_serve_args,
     check_serve_args,
@@ -107,10 +108,7 @@ def _panels(docs: Sequence[dict]) -> list[tuple[str, str, str, str]]:
 
 def plot_sweeps(docs: Sequence[dict], output: str | Path, title: str | None = None) -> Path:
     """Throughput-latency curves of one or more sweeps (one colour per label) as one PNG."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     if not docs or len({d["varied"] for d in docs}) != 1:
         raise ValueError("plot needs at least one sweep, all varying the same option")
