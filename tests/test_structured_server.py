@@ -16,7 +16,16 @@ from hypothesis import strategies as st
 from test_server import running_server
 
 from deepinfer.llm import default_model_path
-from deepinfer.server.tools import CALL_BEGIN, CALL_END, CALLS_BEGIN, CALLS_END, SEP, ToolCallStream, parse_tool_calls
+from deepinfer.server.tools import (
+    CALL_BEGIN,
+    CALL_END,
+    CALLS_BEGIN,
+    CALLS_END,
+    SEP,
+    ToolCallStream,
+    message_tool_calls,
+    parse_tool_calls,
+)
 
 # Argument schemas whose worst case (6 bytes per string character, one whitespace between JSON tokens,
 # the markers) fits FORCED_MAX_TOKENS, so a forced call always completes.
@@ -269,6 +278,25 @@ def test_streamed_tool_deltas_reassemble_the_whole_parse(text, cuts):
             entry["arguments"] += d["function"]["arguments"]
     assert got_content == content
     assert [(v["name"], v["arguments"]) for _, v in sorted(got.items())] == [(c.name, c.arguments) for c in calls]
+
+
+@settings(max_examples=200, deadline=None)
+@given(_TEXT, st.integers(0, 200), st.lists(st.integers(0, 200), max_size=6))
+def test_a_truncated_call_never_leaks_markup_or_a_partial_call(text, cut, cuts):
+    """max_tokens can end the output anywhere: content never holds tool-call markup, and neither the
+    message nor the stream carries a call that did not reach its end marker."""
+    text = text[:cut]
+    content, calls = message_tool_calls(text)
+    assert CALLS_BEGIN not in (content or "") and all(m not in (content or "") for m in (CALL_BEGIN, SEP))
+    complete = [c for c in parse_tool_calls(text)[1] if c.complete and c.name]
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in calls] == [
+        (c.name, c.arguments) for c in complete]
+    stream, sent = ToolCallStream(), []
+    bounds = sorted({min(c, len(text)) for c in cuts} | {0, len(text)})
+    for i, (a, b) in enumerate(zip(bounds, bounds[1:] + [len(text)])):
+        sent += stream.feed(text[a:b], final=i == len(bounds) - 1)[1]
+    assert [(d["function"]["name"], d["function"]["arguments"]) for d in sent] == [
+        (c["function"]["name"], c["function"]["arguments"]) for c in calls]
 
 
 def test_a_constraint_slower_than_the_time_limit_is_a_400():

@@ -41,7 +41,7 @@ from deepinfer.server.protocol import (
 )
 from deepinfer.server.reasoning import ReasoningStream, split_reasoning, thinking_enabled
 from deepinfer.server.structured import GrammarChecker, check_spec, request_spec
-from deepinfer.server.tools import ToolCallStream, ToolSetup, openai_calls, parse_tool_calls, tool_setup
+from deepinfer.server.tools import ToolCallStream, ToolSetup, message_tool_calls, tool_setup
 from deepinfer.structured.params import StructuredOutputsParams
 
 logger = logging.getLogger("deepinfer")
@@ -588,10 +588,9 @@ class ChatShape(_Shape):
             message["reasoning_content"], message["content"] = split_reasoning(choice.detok.output_text)
         finish_reason = choice.finish_reason
         if job.tools is not None and message["content"] is not None:
-            content, calls = parse_tool_calls(message["content"])
-            calls = openai_calls(calls)
+            message["content"], calls = message_tool_calls(message["content"])
             if calls:
-                message["content"], message["tool_calls"] = content or None, calls
+                message["tool_calls"] = calls
                 finish_reason = "tool_calls" if finish_reason == "stop" else finish_reason
         return {"index": choice.index, "message": message, "logprobs": self._logprobs(choice.logprobs),
                 "finish_reason": finish_reason, "stop_reason": choice.stop_reason}

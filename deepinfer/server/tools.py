@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 import re
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from deepinfer.server.errors import bad_request
@@ -171,36 +171,38 @@ def openai_calls(calls: list[ParsedCall]) -> list[dict[str, Any]]:
             for c in calls if c.complete and c.name]
 
 
+def message_tool_calls(text: str) -> tuple[str | None, list[dict[str, Any]]]:
+    """A finished message's (content, OpenAI tool_calls). Tool-call markup never reaches the content:
+    a call cut off before its end marker (max_tokens) is dropped, not returned as text."""
+    content, calls = parse_tool_calls(text)
+    if CALLS_BEGIN not in text:
+        return text, []
+    return content or None, openai_calls(calls)
+
+
 @dataclass
 class ToolCallStream:
-    """Incremental parse for streaming: content deltas, then OpenAI tool-call deltas (the first delta of a
-    call carries its id and name; later ones append to its arguments)."""
+    """Incremental parse for streaming: content deltas, then one OpenAI tool-call delta per call, sent
+    whole (id, name and arguments) once its end marker came, so a call cut off by max_tokens is never
+    half-sent and streamed calls equal the non-streamed message's."""
 
     text: str = ""
     content_sent: int = 0
-    sent: list[list] = field(default_factory=list)  # per call: [id, arguments chars sent]
+    sent: int = 0  # calls sent
 
     @property
     def num_calls(self) -> int:
-        return len(self.sent)
+        return self.sent
 
     def feed(self, delta: str, final: bool = False) -> tuple[str, list[dict[str, Any]]]:
         self.text += delta
         content, calls = parse_tool_calls(self.text, final)
         content_delta, self.content_sent = content[self.content_sent:], max(self.content_sent, len(content))
         deltas = []
-        for i, call in enumerate(calls):
-            if call.name is None:
-                break
-            fresh = i == len(self.sent)
-            if fresh:
-                self.sent.append([new_call_id(), 0])
-            new_args = call.arguments[self.sent[i][1]:]
-            self.sent[i][1] = max(self.sent[i][1], len(call.arguments))
-            if fresh:
-                deltas.append({"index": i, "id": self.sent[i][0], "type": "function",
-                               "function": {"name": call.name, "arguments": new_args}})
-            elif new_args:
-                deltas.append({"index": i, "function": {"arguments": new_args}})
+        for call in calls[self.sent:]:
+            if not (call.complete and call.name):
+                break  # calls are sent in order, each once whole
+            deltas.append({"index": self.sent, "id": new_call_id(), "type": "function",
+                           "function": {"name": call.name, "arguments": call.arguments}})
+            self.sent += 1
         return content_delta, deltas
-

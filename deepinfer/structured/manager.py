@@ -8,7 +8,10 @@ Invariants:
   recompute cache entries, never outputs;
 - `rollback(k)` undoes the last k observed tokens exactly (speculative decoding rejects drafts with it);
 - the bitmask is only read by the sampler after `result()`, and matchers only advance in the scheduler's
-  update, after sampling: the fill thread and the engine loop never touch a matcher at the same time.
+  update, after sampling: the fill thread and the engine loop never touch a matcher at the same time;
+- budget-aware: a row whose position is within `closing_margin` tokens of the shortest way to finish the
+  grammar found (see `closing.py`) allows only the next closing token, so an output that still has the
+  budget to finish does finish (with its stop token) instead of running out of tokens mid-structure.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 from deepinfer.structured import backend
+from deepinfer.structured.closing import Closer, ClosingPlan
 from deepinfer.structured.params import StructuredOutputsParams
 
 logger = logging.getLogger("deepinfer")
@@ -33,8 +37,9 @@ class RequestGrammar:
     """One sample's matcher state. `ready()` is non-blocking; the scheduler admits the request once it
     is True and `error` is None."""
 
-    def __init__(self, spec: StructuredOutputsParams, compiled: Future, timeout_s: float, think_end_id: int | None):
-        self.spec, self._compiled = spec, compiled
+    def __init__(self, spec: StructuredOutputsParams, compiled: Future, timeout_s: float, think_end_id: int | None,
+                 closing: ClosingPlan | None = None):
+        self.spec, self._compiled, self.closing = spec, compiled, closing
         self.deadline = time.monotonic() + timeout_s
         self.timeout_s = timeout_s
         self.think_end_id = think_end_id
@@ -106,10 +111,15 @@ class RequestGrammar:
 
 class StructuredOutputManager:
     def __init__(self, tokenizer, vocab_size: int, stop_token_ids: Sequence[int], timeout_s: float = 30.0,
-                 max_workers: int = 2, cache_size: int = 256):
+                 max_workers: int = 2, cache_size: int = 256, closing_margin: int | None = 4):
         self.vocab_size, self.timeout_s, self.cache_size = vocab_size, timeout_s, cache_size
-        self.compiler = backend.Compiler(backend.tokenizer_info(tokenizer, vocab_size, list(stop_token_ids)),
-                                         max_threads=max_workers)
+        info = backend.tokenizer_info(tokenizer, vocab_size, list(stop_token_ids))
+        self.compiler = backend.Compiler(info, max_threads=max_workers)
+        # closing searches run on the fill thread only (a Closer holds one scratch bitmask)
+        markers = tokenizer.inner.get_added_tokens_decoder()  # grammars may require these as whole tokens
+        self.closer = None if closing_margin is None else Closer(info.decoded_vocab, vocab_size, list(stop_token_ids),
+                                                                 [i for i in markers if i < vocab_size])
+        self.closing_margin = closing_margin
         self.think_end_id = tokenizer.token_to_id(THINK_END)
         self._grammars: OrderedDict[tuple, object] = OrderedDict()
         self._compiled: OrderedDict[tuple, Future] = OrderedDict()
@@ -139,7 +149,8 @@ class StructuredOutputManager:
             self._remember(self._compiled, key, future)
         else:
             self._compiled.move_to_end(key)
-        return RequestGrammar(spec, future, self.timeout_s, self.think_end_id)
+        plan = ClosingPlan(self.closer, self.closing_margin) if self.closer is not None else None
+        return RequestGrammar(spec, future, self.timeout_s, self.think_end_id, plan)
 
     def _remember(self, cache: OrderedDict, key: tuple, value) -> None:
         cache[key] = value
@@ -164,7 +175,8 @@ class StructuredOutputManager:
         bitmask = backend.allocate_bitmask(len(keys), self.vocab_size)
         row = 0
         for req in requests:
-            row = _fill_rows(req.grammar, drafts.get(req.request_id, []), bitmask, row)
+            remaining = req.max_output_tokens - len(req.output_token_ids)  # this token included
+            row = _fill_rows(req.grammar, drafts.get(req.request_id, []), bitmask, row, remaining)
         return keys, bitmask
 
     def shutdown(self) -> None:
@@ -172,20 +184,33 @@ class StructuredOutputManager:
         self._fill_pool.shutdown(wait=False)
 
 
-def _fill_rows(grammar: RequestGrammar, drafts: list[int], bitmask: torch.Tensor, row: int) -> int:
+def _fill_rows(grammar: RequestGrammar, drafts: list[int], bitmask: torch.Tensor, row: int,
+               remaining: int) -> int:
     """Rows row..row+len(drafts) of `bitmask`: the mask before each draft and after the last, advancing
     the matcher through the drafts and rolling it back (the update advances it by what is accepted).
-    After a draft that completes the grammar every token is allowed: the request stops at that draft."""
+    After a draft that completes the grammar every token is allowed: the request stops at that draft.
+    Row j's position may still generate `remaining - j` tokens; near that end it allows only closing."""
     accepted = 0
     for j in range(len(drafts) + 1):
         if grammar.terminated:
             bitmask[row + j] = -1
         else:
-            grammar.matcher.fill_next_token_bitmask(bitmask, row + j)
+            _fill_row(grammar, bitmask, row + j, remaining - j)
         if j < len(drafts) and grammar.accept(drafts[j]):
             accepted += 1
     grammar.rollback(accepted)
     return row + len(drafts) + 1
+
+
+def _fill_row(grammar: RequestGrammar, bitmask: torch.Tensor, row: int, remaining: int) -> None:
+    forced = grammar.closing.forced(grammar.matcher, remaining) if grammar.closing is not None else None
+    if forced is None:
+        grammar.matcher.fill_next_token_bitmask(bitmask, row)
+        return
+    bitmask[row] = 0
+    for token in forced:  # bit 31 is the int32 sign bit
+        bit = token % 32
+        bitmask[row, token // 32] |= -(2**31) if bit == 31 else 1 << bit
 
 
 def _constrained(requests: Sequence) -> list:

@@ -1,0 +1,160 @@
+"""Budget-aware constrained decoding: a short way to finish a grammar from a matcher's state, and the
+rule that keeps a constrained output finishable within its remaining token budget.
+
+Invariants:
+- `Closer.closing(matcher)` never changes `matcher`; the tokens it returns, accepted in order, complete the
+  grammar (they were accepted by a fork of it), and the stop token is allowed after them;
+- `ClosingPlan.row` forces the first closing token exactly when the remaining budget (stop token included)
+  is within `margin` tokens of what closing needs, so a request that enters that window with enough budget
+  ends with a complete output and its stop token, never by length.
+"""
+
+from __future__ import annotations
+
+import torch
+
+# Characters tried first when searching for a completion: closers, then what ends a value soonest.
+_PRIORITY = b'"}])\'`>,:0 \n'
+MAX_CLOSING_CHARS = 256  # longest completion searched for (characters)
+NODE_BUDGET = 4000  # matcher states one search may visit
+
+
+class Closer:
+    """Per-tokenizer data for closing searches: one token per single byte (the search's steps) and the
+    vocabulary's byte strings (to pack a closing string into as few tokens as the vocabulary allows)."""
+
+    def __init__(self, decoded_vocab: list[bytes], vocab_size: int, stop_token_ids: list[int],
+                 marker_token_ids=()):
+        self.vocab_size, self.stop_token_ids = vocab_size, list(stop_token_ids)
+        specials = sorted(set(marker_token_ids) - set(stop_token_ids))  # added tokens, taken whole
+        self.by_bytes: dict[bytes, int] = {}
+        for i, piece in enumerate(decoded_vocab):
+            if piece and i not in specials and i not in self.stop_token_ids:
+                self.by_bytes.setdefault(bytes(piece), i)
+        self._pieces = {i: p for p, i in self.by_bytes.items()}
+        self.max_len = max((len(p) for p in self.by_bytes), default=1)
+        singles = {p[0]: i for p, i in self.by_bytes.items() if len(p) == 1}
+        self.byte_token = singles
+        self.piece_of = {t: bytes([b]) for b, t in singles.items()}
+        first = [singles[b] for b in _PRIORITY if b in singles]
+        rest = [singles[b] for b in range(256) if b in singles and b not in _PRIORITY]
+        # search order: closers, then markers (whole added tokens: a grammar may require one), then bytes
+        self.steps = first + specials + rest
+        self.special = frozenset(specials)
+        steps = torch.tensor(self.steps, dtype=torch.int64)
+        self._words, self._shifts = steps // 32, (steps % 32).to(torch.int32)
+        self._mask: torch.Tensor | None = None  # one reusable bitmask row (a Closer serves one thread)
+
+    # --- search ------------------------------------------------------------------------------------
+    def closing(self, matcher) -> list[int] | None:
+        """Token ids that complete the grammar from `matcher`'s state (empty when already complete), or
+        None when the search finds no completion within its bounds."""
+        if matcher.is_completed():
+            return []
+        path = self._search(matcher, [], [NODE_BUDGET])
+        return None if path is None else self._pack(matcher, path)
+
+    def _search(self, m, path: list[int], budget: list[int]) -> list[int] | None:
+        """Depth-first over single-byte (and marker) tokens in priority order, forced text first; the
+        first completion found. `m` is never changed (children are forks)."""
+        if m.is_completed():
+            return path
+        if len(path) >= MAX_CLOSING_CHARS or budget[0] <= 0:
+            return None
+        for token in self._candidates(m):
+            budget[0] -= 1
+            child = m.fork()
+            if child.accept_token(token):
+                found = self._search(child, [*path, token], budget)
+                if found is not None:
+                    return found
+        return None
+
+    def _candidates(self, m) -> list[int]:
+        """Allowed search steps in order; a forced continuation's first byte is the only candidate."""
+        forced = m.find_jump_forward_string().encode("utf-8", "surrogatepass")
+        if forced and forced[0] in self.byte_token:
+            return [self.byte_token[forced[0]]]
+        return [t for t, ok in zip(self.steps, self._allowed_steps(m)) if ok]
+
+    def _allowed_steps(self, m) -> list[int]:
+        """1 / 0 per search step: whether the grammar allows it next."""
+        if self._mask is None:
+            self._mask = torch.zeros(1, (self.vocab_size + 31) // 32, dtype=torch.int32)
+        m.fill_next_token_bitmask(self._mask, 0)
+        return ((self._mask[0][self._words] >> self._shifts) & 1).tolist()
+
+    def _pack(self, matcher, path: list[int]) -> list[int] | None:
+        """The closing path in as few tokens as possible: byte runs become the longest vocabulary pieces
+        the grammar accepts; markers stay as they are."""
+        m, tokens, run = matcher.fork(), [], b""
+        for token in [*path, None]:
+            if token is not None and token not in self.special:
+                run += self.piece_of[token]
+                continue
+            if not self._pack_run(m, run, tokens) or (token is not None and not _take(m, token, tokens)):
+                return None
+            run = b""
+        return tokens if m.is_completed() else None
+
+    def _pack_run(self, m, text: bytes, tokens: list[int]) -> bool:
+        """Greedy longest match of `text` over the vocabulary, each piece accepted by `m` (advanced)."""
+        i = 0
+        while i < len(text):
+            token = self._longest(m, text, i)
+            if token is None:
+                return False
+            tokens.append(token)
+            i += len(self.piece(token))
+        return True
+
+    def _longest(self, m, text: bytes, i: int) -> int | None:
+        for n in range(min(self.max_len, len(text) - i), 0, -1):
+            token = self.by_bytes.get(text[i:i + n])
+            if token is not None and m.accept_token(token):
+                return token
+        return None
+
+    def piece(self, token: int) -> bytes:
+        return self._pieces[token]
+
+    @staticmethod
+    def still_closes(matcher, tokens: list[int]) -> bool:
+        """Whether `tokens` still complete the grammar from `matcher`'s state (state unchanged)."""
+        m = matcher.fork()
+        return all(m.accept_token(t) for t in tokens) and m.is_completed()
+
+
+def _take(m, token: int, tokens: list[int]) -> bool:
+    tokens.append(token)
+    return m.accept_token(token)
+
+
+class ClosingPlan:
+    """One sample's closing state: the cached closing tokens from its current state, refreshed when the
+    output leaves them behind."""
+
+    def __init__(self, closer: Closer, margin: int):
+        self.closer, self.margin = closer, margin
+        self.tokens: list[int] | None = None
+
+    def need(self, matcher) -> int | None:
+        """Tokens closing needs from the matcher's state, the stop token included (None: no way found)."""
+        tokens = self._current(matcher)
+        return None if tokens is None else len(tokens) + 1
+
+    def _current(self, matcher) -> list[int] | None:
+        for cached in (self.tokens[1:], self.tokens) if self.tokens else ():
+            if Closer.still_closes(matcher, cached):
+                self.tokens = cached
+                return cached
+        self.tokens = self.closer.closing(matcher)
+        return self.tokens
+
+    def forced(self, matcher, remaining: int) -> list[int] | None:
+        """The token ids allowed now when closing must start (`remaining` tokens may still be generated,
+        this one included), else None (the grammar's own mask applies)."""
+        need = self.need(matcher)
+        if need is None or remaining > need + self.margin or remaining < need:
+            return None  # far from the end, or too late to close: the grammar alone decides
+        return self.tokens[:1] if self.tokens else list(self.closer.stop_token_ids)
