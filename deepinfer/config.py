@@ -454,12 +454,17 @@ class EngineArgs:
     # on the batch, chunking or preemption (docs/determinism.md). Slower.
     deterministic: bool = False
     grammar_compile_timeout_s: float = 30.0  # a structured-output grammar that takes longer fails its request
+    # budget-aware structured outputs: once the remaining max_tokens / context is within this many tokens of
+    # what finishing the grammar needs, only closing tokens are allowed (docs/structured-outputs.md); -1: off
+    grammar_closing_margin: int = 4
     # {"method": "mtp" | "ngram" | "dspark", "num_speculative_tokens": k, ...} as a dict or JSON text; None: off
     speculative_config: str | dict | None = None
 
     def __post_init__(self):
         if self.grammar_compile_timeout_s <= 0:
             raise ValueError(f"grammar_compile_timeout_s must be > 0, got {self.grammar_compile_timeout_s}")
+        if self.grammar_closing_margin < -1:
+            raise ValueError(f"grammar_closing_margin must be >= 0 (or -1: off), got {self.grammar_closing_margin}")
         if SpeculativeConfig.parse(self.speculative_config) is not None and self.deterministic:
             raise ValueError("speculative decoding cannot be combined with deterministic mode (verification "
                              "steps batch several tokens of a request, which deterministic mode rules out)")

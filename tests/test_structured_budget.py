@@ -71,7 +71,7 @@ def test_closing_completes_from_random_states(manager, schema):
     """From any state a random walk reaches, the closing tokens complete the grammar, the stop token is
     allowed after them, and the matcher itself is left where it was."""
     rng = random.Random(json.dumps(schema))
-    for trial in range(8):
+    for _ in range(8):
         m = _matcher(manager, schema)
         _random_walk(manager, m, rng, rng.randint(0, 24))
         before = m.fork()

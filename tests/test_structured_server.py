@@ -177,9 +177,40 @@ def test_response_formats(client):
             jsonschema.validate(json.loads(text), schema)
     r = _chat(client, "JSON object please", response_format={"type": "json_object"}, max_tokens=200)
     text, finish = r.choices[0].message.content, r.choices[0].finish_reason
-    assert text.startswith("{") and finish in ("stop", "length")  # any object: its size is unbounded
-    if finish == "stop":
-        assert isinstance(json.loads(text), dict)
+    assert finish == "stop" and isinstance(json.loads(text), dict)  # unbounded, but closed within the budget
+
+
+# Unbounded numbers, strings and arrays: without budget-aware decoding the bundled model writes digits until
+# max_tokens ends the output mid-structure (about half of these requests).
+UNBOUNDED = {"type": "object", "properties": {"id": {"type": "integer"}, "score": {"type": "number"},
+                                              "tags": {"type": "array", "items": {"type": "string"}}},
+             "required": ["id", "score", "tags"]}
+UNBOUNDED_TOOL = [{"type": "function", "function": {"name": "lookup", "parameters": {
+    "type": "object", "properties": {"query": {"type": "string"}, "limit": {"type": "integer"}},
+    "required": ["query", "limit"]}}}]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_unbounded_schemas_close_within_small_budgets(client, stream):
+    fmt = {"type": "json_schema", "json_schema": {"name": "record", "schema": UNBOUNDED}}
+    for i, budget in enumerate((18, 24, 40, 64)):
+        r = _chat(client, f"Record #{i}", response_format=fmt, stream=stream, temperature=1.0, seed=i,
+                  max_tokens=budget)
+        text, finish = _collect_stream(r)[::2] if stream else (r.choices[0].message.content, r.choices[0].finish_reason)
+        assert finish == "stop", text
+        jsonschema.validate(json.loads(text), UNBOUNDED)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_forced_calls_with_unbounded_arguments_close_within_the_budget(client, stream):
+    for i, budget in enumerate((32, 48, 120)):
+        r = _chat(client, f"Look up item {i}", tools=UNBOUNDED_TOOL, tool_choice="required", stream=stream,
+                  parallel_tool_calls=False, temperature=1.0, seed=i, max_tokens=budget)
+        content, calls, finish = _collect_stream(r) if stream else (
+            r.choices[0].message.content or "", r.choices[0].message.tool_calls, r.choices[0].finish_reason)
+        assert finish == "tool_calls" and not content.strip() and len(calls) == 1
+        assert CALLS_BEGIN not in content
+        jsonschema.validate(json.loads(calls[0].function.arguments), UNBOUNDED_TOOL[0]["function"]["parameters"])
 
 
 def test_thinking_mode_leaves_the_reasoning_unconstrained(client):

@@ -158,7 +158,8 @@ class EngineCore:
                 raise ValueError("structured outputs need the model's tokenizer.json, which this checkpoint lacks")
             self.structured = StructuredOutputManager(
                 Tokenizer.from_dir(self.model_path), self.model_config.vocab_size, self.model_config.eos_token_ids,
-                timeout_s=self.args.grammar_compile_timeout_s)
+                timeout_s=self.args.grammar_compile_timeout_s,
+                closing_margin=None if self.args.grammar_closing_margin < 0 else self.args.grammar_closing_margin)
         return self.structured
 
     def reset_prefix_cache(self) -> None:

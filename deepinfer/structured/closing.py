@@ -16,7 +16,9 @@ import torch
 # Characters tried first when searching for a completion: closers, then what ends a value soonest.
 _PRIORITY = b'"}])\'`>,:0 \n'
 MAX_CLOSING_CHARS = 256  # longest completion searched for (characters)
-NODE_BUDGET = 4000  # matcher states one search may visit
+NODE_BUDGET = 384  # matcher states one search may visit (the priority order rarely needs to backtrack)
+FAR = 48  # tokens beyond need + margin where the closing is not rechecked every step
+RECHECK = 8  # far from the end, recheck every this many tokens
 
 
 class Closer:
@@ -131,12 +133,18 @@ def _take(m, token: int, tokens: list[int]) -> bool:
 
 
 class ClosingPlan:
-    """One sample's closing state: the cached closing tokens from its current state, refreshed when the
-    output leaves them behind."""
+    """One sample's closing state: the cached closing tokens from its current state (refreshed when the
+    output leaves them behind) and the remaining budget below which they are looked at again.
+
+    Far from the end (remaining > need + margin + FAR) the closing is rechecked only every RECHECK tokens:
+    a closing need growing by more than FAR - RECHECK tokens within RECHECK tokens is not expected. After a
+    failed search (no completion within the search's bounds) the next one waits until the remaining budget
+    halved, so a grammar that cannot close soon costs O(log max_tokens) searches, not one per token."""
 
     def __init__(self, closer: Closer, margin: int):
         self.closer, self.margin = closer, margin
         self.tokens: list[int] | None = None
+        self.recheck_below: int | None = None  # skip every check while remaining is above this
 
     def need(self, matcher) -> int | None:
         """Tokens closing needs from the matcher's state, the stop token included (None: no way found)."""
@@ -154,7 +162,13 @@ class ClosingPlan:
     def forced(self, matcher, remaining: int) -> list[int] | None:
         """The token ids allowed now when closing must start (`remaining` tokens may still be generated,
         this one included), else None (the grammar's own mask applies)."""
+        if self.recheck_below is not None and remaining > self.recheck_below:
+            return None
         need = self.need(matcher)
-        if need is None or remaining > need + self.margin or remaining < need:
+        if need is None:
+            self.recheck_below = remaining // 2
+            return None
+        self.recheck_below = remaining - RECHECK if remaining > need + self.margin + FAR else None
+        if remaining > need + self.margin or remaining < need:
             return None  # far from the end, or too late to close: the grammar alone decides
         return self.tokens[:1] if self.tokens else list(self.closer.stop_token_ids)
