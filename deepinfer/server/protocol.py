@@ -110,6 +110,7 @@ class _SamplingFields(_Body):
     user: str | None = None
     priority: BoundedInt = 0
     return_tokens_as_token_ids: bool = False  # vLLM: logprob tokens read "token_id:<id>"
+    cache_salt: Annotated[str, Field(min_length=1)] | None = None  # vLLM: only requests with equal salts share prefixes
     # Structured outputs: OpenAI's response_format, vLLM's structured_outputs and its older guided_* names.
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsField | None = None

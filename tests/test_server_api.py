@@ -1,0 +1,131 @@
+"""API details against the real server: prefix-cache isolation (`cache_salt`, one namespace per API key).
+
+Two servers, started together: `plain` (no API key, a 128-token context so any generation is short) and
+`tenants` (two API keys, --prefix-cache-isolation key). Cache hits are read from /metrics, as in
+tests/test_server.py; every test uses prompts of its own so the cache state of another cannot leak in.
+"""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import pytest
+from test_server import ServerProcess, _wait_for, metrics, tiny_checkpoint
+
+CONTEXT = 128
+ALICE, BOB = {"Authorization": "Bearer alice"}, {"Authorization": "Bearer bob"}
+HITS = "deepinfer:prefix_cache_hits_total"
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return tiny_checkpoint(tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def servers(ckpt, tmp_path_factory):
+    """Both start together (their start-up overlaps); each test waits for the one it uses."""
+    logs = tmp_path_factory.mktemp("api-logs")
+    context = ("--max-model-len", str(CONTEXT), "--max-n", "2")
+    started = {"plain": ServerProcess(ckpt, logs / "plain.log", *context),
+               "tenants": ServerProcess(ckpt, logs / "tenants.log", *context, "--api-key", "alice",
+                                        "--api-key", "bob", "--prefix-cache-isolation", "key")}
+    yield started
+    for server in started.values():
+        server.stop()
+
+
+@pytest.fixture(scope="module")
+def plain(servers):
+    return servers["plain"].wait_ready()
+
+
+@pytest.fixture(scope="module")
+def tenants(servers):
+    return servers["tenants"].wait_ready()
+
+
+def _post(server: ServerProcess, path: str, body: dict, headers: dict | None = None) -> httpx.Response:
+    return httpx.post(server.url + path, json=body, headers=headers, timeout=60)
+
+
+def hits_of(server: ServerProcess, path: str, body: dict, headers: dict | None = None) -> float:
+    """Prefix-cache hits (prompt tokens) that one greedy 1-token request adds to /metrics."""
+    before = metrics(server.url)[HITS]
+    resp = _post(server, path, {**body, "max_tokens": 1, "temperature": 0}, headers)
+    assert resp.status_code == 200, resp.text
+    time.sleep(0.5)  # engine stats arrive every 0.25 s while busy, and once when it becomes idle
+    _wait_for(lambda: metrics(server.url)[HITS] >= before, 2.0)
+    return metrics(server.url)[HITS] - before
+
+
+def _completion(prompt: list[int], salt: str | None = None) -> dict:
+    return {"prompt": prompt, **({"cache_salt": salt} if salt is not None else {})}
+
+
+# --- cache_salt ------------------------------------------------------------------------------------
+def test_cache_salt_separates_cached_prefixes(plain):
+    """Only requests with the same salt share cached blocks; no salt is a namespace of its own."""
+    prompt = list(range(100, 180))  # five full 16-token blocks
+    assert hits_of(plain, "/v1/completions", _completion(prompt, "tenant-a")) == 0
+    assert hits_of(plain, "/v1/completions", _completion(prompt, "tenant-b")) == 0
+    assert hits_of(plain, "/v1/completions", _completion(prompt)) == 0
+    assert hits_of(plain, "/v1/completions", _completion(prompt, "tenant-a")) >= 64
+    assert hits_of(plain, "/v1/completions", _completion(prompt, "tenant-b")) >= 64
+    assert hits_of(plain, "/v1/completions", _completion(prompt)) >= 64
+
+
+def test_cache_salt_on_chat(plain):
+    messages = [{"role": "user", "content": "a salted conversation, long enough for a few blocks " * 2}]
+    assert httpx.post(plain.url + "/tokenize", json={"messages": messages}).json()["count"] >= 48
+    assert hits_of(plain, "/v1/chat/completions", {"messages": messages, "cache_salt": "x"}) == 0
+    assert hits_of(plain, "/v1/chat/completions", {"messages": messages, "cache_salt": "y"}) == 0
+    assert hits_of(plain, "/v1/chat/completions", {"messages": messages, "cache_salt": "x"}) >= 32
+
+
+@pytest.mark.parametrize("salt", ["", 7])
+def test_cache_salt_must_be_a_non_empty_string(plain, salt):
+    resp = _post(plain, "/v1/completions", {"prompt": "hi", "max_tokens": 1, "cache_salt": salt})
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == "cache_salt", resp.text
+
+
+# --- one prefix namespace per API key --------------------------------------------------------------
+def test_api_keys_do_not_share_cached_prefixes(tenants):
+    prompt = list(range(200, 280))
+    assert hits_of(tenants, "/v1/completions", _completion(prompt), ALICE) == 0
+    assert hits_of(tenants, "/v1/completions", _completion(prompt), BOB) == 0
+    assert hits_of(tenants, "/v1/completions", _completion(prompt), ALICE) >= 64
+    assert hits_of(tenants, "/v1/completions", _completion(prompt), BOB) >= 64
+
+
+def test_a_salt_stays_inside_its_key(tenants):
+    """Under isolation a request's own salt subdivides its key's namespace; equal salts of two keys stay apart."""
+    prompt = list(range(300, 380))
+    assert hits_of(tenants, "/v1/completions", _completion(prompt, "s"), ALICE) == 0
+    assert hits_of(tenants, "/v1/completions", _completion(prompt, "s"), BOB) == 0
+    assert hits_of(tenants, "/v1/completions", _completion(prompt, "t"), ALICE) == 0
+    assert hits_of(tenants, "/v1/completions", _completion(prompt, "s"), ALICE) >= 64
+
+
+def test_every_key_is_accepted_and_others_are_not(tenants):
+    body = {"prompt": "hi", "max_tokens": 1}
+    assert _post(tenants, "/v1/completions", body, ALICE).status_code == 200
+    assert _post(tenants, "/v1/completions", body, BOB).status_code == 200
+    assert _post(tenants, "/v1/completions", body, {"Authorization": "Bearer carol"}).status_code == 401
+    assert _post(tenants, "/v1/completions", body).status_code == 401
+
+
+def test_isolation_flags(monkeypatch, tmp_path):
+    from deepinfer import cli
+    from deepinfer.server import launch
+
+    monkeypatch.delenv("DEEPINFER_API_KEY", raising=False)
+    args = cli.build_parser().parse_args(["serve", "--api-key", "a", "--api-key", "b",
+                                          "--prefix-cache-isolation", "key"])
+    settings = launch.settings_from(args, tmp_path, bundled=False)
+    assert (settings.api_keys, settings.prefix_cache_isolation) == (("a", "b"), "key")
+    assert launch.settings_from(cli.build_parser().parse_args(["serve"]), tmp_path, False).api_keys == ()
+    with pytest.raises(ValueError, match="needs at least one --api-key"):
+        launch.settings_from(cli.build_parser().parse_args(["serve", "--prefix-cache-isolation", "key"]),
+                             tmp_path, bundled=False)
