@@ -1,4 +1,5 @@
-"""API details against the real server: prefix-cache isolation (`cache_salt`, one namespace per API key).
+"""API details against the real server: prefix-cache isolation (`cache_salt`, one namespace per API key),
+`add_special_tokens`, and the OpenAPI document.
 
 Two servers, started together: `plain` (no API key, a 128-token context so any generation is short) and
 `tenants` (two API keys, --prefix-cache-isolation key). Cache hits are read from /metrics, as in
@@ -12,6 +13,8 @@ import time
 import httpx
 import pytest
 from test_server import ServerProcess, _wait_for, metrics, tiny_checkpoint
+
+from deepinfer import LLM, SamplingParams
 
 CONTEXT = 128
 ALICE, BOB = {"Authorization": "Bearer alice"}, {"Authorization": "Bearer bob"}
@@ -129,3 +132,57 @@ def test_isolation_flags(monkeypatch, tmp_path):
     with pytest.raises(ValueError, match="needs at least one --api-key"):
         launch.settings_from(cli.build_parser().parse_args(["serve", "--prefix-cache-isolation", "key"]),
                              tmp_path, bundled=False)
+
+
+# --- add_special_tokens ----------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def offline(ckpt):
+    return LLM(ckpt, block_size=16, max_model_len=CONTEXT, kv_cache_memory_bytes=16 * 2**20, load_progress=False)
+
+
+def _ids(tokens: list[str]) -> list[int]:
+    return [int(t.removeprefix("token_id:")) for t in tokens]
+
+
+@pytest.mark.parametrize("bos", [True, False])
+def test_echo_prompt_logprobs_equal_offline_prompt_logprobs(plain, offline, bos):
+    """lm-eval's log-likelihood request: echo + logprobs + max_tokens 1 scores the prompt exactly as the
+    offline API does for the same token ids, with BOS and (add_special_tokens false) without it."""
+    text = "The answer is: blue"
+    body = {"prompt": text, "echo": True, "logprobs": 3, "max_tokens": 1, "temperature": 0,
+            "return_tokens_as_token_ids": True, **({} if bos else {"add_special_tokens": False})}
+    resp = _post(plain, "/v1/completions", body)
+    assert resp.status_code == 200, resp.text
+    lp = resp.json()["choices"][0]["logprobs"]
+    ids = _ids(lp["tokens"])[:-1]  # the prompt's tokens; the last one was generated
+    tokenizer = offline.get_tokenizer()
+    assert ids == tokenizer.encode(text, add_special_tokens=bos)
+    assert (ids[0] == tokenizer.bos_token_id) == bos
+    assert resp.json()["usage"]["prompt_tokens"] == len(ids)
+    ref = offline.generate([ids], SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=3),
+                           use_tqdm=False)[0].prompt_logprobs
+    assert lp["token_logprobs"][0] is None and ref[0] is None and len(ref) == len(ids)
+    for got, top, want, token in zip(lp["token_logprobs"][1:], lp["top_logprobs"][1:], ref[1:], ids[1:]):
+        assert got == pytest.approx(want[token].logprob, abs=1e-4)
+        assert dict(zip(_ids(list(top)), top.values())) == pytest.approx(
+            {t: entry.logprob for t, entry in want.items()}, abs=1e-4)
+
+
+def test_add_special_tokens_on_chat(plain):
+    """Chat prompts get BOS from the chat template; add_special_tokens (default false) adds the tokenizer's too."""
+    messages = [{"role": "user", "content": "hello"}]
+    templated = httpx.post(plain.url + "/tokenize", json={"messages": messages}).json()["count"]
+
+    def prompt_tokens(**extra) -> int:
+        resp = _post(plain, "/v1/chat/completions", {"messages": messages, "max_tokens": 1, **extra})
+        assert resp.status_code == 200, resp.text
+        return resp.json()["usage"]["prompt_tokens"]
+
+    assert prompt_tokens() == prompt_tokens(add_special_tokens=False) == templated
+    assert prompt_tokens(add_special_tokens=True) == templated + 1
+
+
+def test_add_special_tokens_leaves_token_id_prompts_alone(plain):
+    for flag in (True, False):
+        resp = _post(plain, "/v1/completions", {"prompt": [5, 6, 7], "max_tokens": 1, "add_special_tokens": flag})
+        assert resp.json()["usage"]["prompt_tokens"] == 3, resp.text

@@ -135,6 +135,7 @@ class ChatCompletionRequest(_SamplingFields):
     tools: list[Tool] | None = None
     tool_choice: str | dict[str, Any] | None = None  # auto | none | required | {"type": "function", ...}
     parallel_tool_calls: bool = True
+    add_special_tokens: bool = False  # vLLM: the chat template already starts the prompt with BOS
 
     @property
     def output_limit(self) -> int | None:
@@ -156,6 +157,7 @@ class CompletionRequest(_SamplingFields):
     logprobs: BoundedInt | None = None
     echo: bool = False
     suffix: str | None = None
+    add_special_tokens: bool = True  # vLLM: BOS before each text prompt (token-id prompts are sent as given)
 
     @property
     def num_logprobs(self) -> int | None:

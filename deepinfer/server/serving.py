@@ -468,7 +468,7 @@ class Serving:
         tools = tool_setup(req)
         kwargs = {**(req.chat_template_kwargs or {}), **({"tools": tools.tools} if tools.active else {})}
         text = render_chat(tok, req.messages, req.add_generation_prompt, kwargs)
-        prompt = Prompt(text, _encode(tok, text, add_special_tokens=False), thinking_enabled(text))
+        prompt = Prompt(text, _encode(tok, text, req.add_special_tokens), thinking_enabled(text))
         self._check_prompt(prompt.token_ids, req.output_limit)
         params = await self._structured_params(req, req.output_limit, prompt.thinking, tools)
         job = Job(self, f"chatcmpl-{uuid.uuid4().hex}", [prompt], params, req.priority, req.stream, tools,
@@ -480,7 +480,7 @@ class Serving:
         self.check_request(req.model)
         if req.suffix:
             raise bad_request("suffix is not supported", param="suffix")
-        prompts = self._completion_prompts(req.prompt)
+        prompts = self._completion_prompts(req.prompt, req.add_special_tokens)
         for p in prompts:
             self._check_prompt(p.token_ids, req.max_tokens)
         spec = request_spec(req, thinking=False)
@@ -501,18 +501,20 @@ class Serving:
         await check_spec(spec, self.grammar_checker, self.settings.grammar_timeout_s, "tools" if forced else None)
         return self.sampling_params(req, max_tokens, structured=spec)
 
-    def _completion_prompts(self, prompt) -> list[Prompt]:
-        """str | list[str] | list[int] | list[list[int]] -> one Prompt per engine request."""
+    def _completion_prompts(self, prompt, add_special_tokens: bool = True) -> list[Prompt]:
+        """str | list[str] | list[int] | list[list[int]] -> one Prompt per engine request; only text prompts
+        get special tokens (BOS), and only with `add_special_tokens`."""
         if isinstance(prompt, str):
-            return [self._text_prompt(prompt)]
+            return [self._text_prompt(prompt, add_special_tokens)]
         if not prompt:
             raise bad_request("the prompt is empty", param="prompt")
         if all(isinstance(t, int) for t in prompt):
             return [Prompt(None, list(prompt))]
-        return [self._text_prompt(p) if isinstance(p, str) else Prompt(None, list(p)) for p in prompt]
+        return [self._text_prompt(p, add_special_tokens) if isinstance(p, str) else Prompt(None, list(p))
+                for p in prompt]
 
-    def _text_prompt(self, text: str) -> Prompt:
-        return Prompt(text, _encode(self._require_tokenizer("a text prompt"), text))
+    def _text_prompt(self, text: str, add_special_tokens: bool = True) -> Prompt:
+        return Prompt(text, _encode(self._require_tokenizer("a text prompt"), text, add_special_tokens))
 
     # --- tokenize / detokenize -------------------------------------------------------------------
     def tokenize(self, req: TokenizeRequest) -> dict[str, Any]:
