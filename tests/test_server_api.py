@@ -1,5 +1,5 @@
 """API details against the real server: prefix-cache isolation (`cache_salt`, one namespace per API key),
-`add_special_tokens`, and the OpenAPI document.
+`add_special_tokens`, and the OpenAPI document (checked by schemathesis).
 
 Two servers, started together: `plain` (no API key, a 128-token context so any generation is short) and
 `tenants` (two API keys, --prefix-cache-isolation key). Cache hits are read from /metrics, as in
@@ -12,6 +12,15 @@ import time
 
 import httpx
 import pytest
+import schemathesis
+from hypothesis import HealthCheck, Phase, given, settings
+from schemathesis.checks import not_a_server_error
+from schemathesis.specs.openapi.checks import (
+    content_type_conformance,
+    response_headers_conformance,
+    response_schema_conformance,
+    status_code_conformance,
+)
 from test_server import ServerProcess, _wait_for, metrics, tiny_checkpoint
 
 from deepinfer import LLM, SamplingParams
@@ -186,3 +195,79 @@ def test_add_special_tokens_leaves_token_id_prompts_alone(plain):
     for flag in (True, False):
         resp = _post(plain, "/v1/completions", {"prompt": [5, 6, 7], "max_tokens": 1, "add_special_tokens": flag})
         assert resp.json()["usage"]["prompt_tokens"] == 3, resp.text
+
+
+# --- the OpenAPI document --------------------------------------------------------------------------
+OPERATIONS = [("POST", "/v1/chat/completions"), ("POST", "/v1/completions"), ("GET", "/v1/models"),
+              ("GET", "/health"), ("GET", "/metrics"), ("POST", "/tokenize"), ("POST", "/detokenize"),
+              ("POST", "/reset_prefix_cache"), ("GET", "/version")]
+CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance, response_schema_conformance,
+          response_headers_conformance]
+EXAMPLES = 12
+MAX_TOKENS = 4  # generated bodies are capped here, so every accepted generation is quick
+
+
+@pytest.fixture(scope="module")
+def document(plain):
+    return httpx.get(plain.url + "/openapi.json", timeout=30).json()
+
+
+def _responses(document: dict, method: str, path: str) -> dict:
+    return document["paths"][path][method.lower()]["responses"]
+
+
+def test_openapi_documents_the_statuses_the_server_answers(document):
+    assert {(m.upper(), p) for p, item in document["paths"].items() for m in item} == set(OPERATIONS)
+    for method, path in OPERATIONS:
+        responses = _responses(document, method, path)
+        assert "422" not in responses, path  # validation errors are answered 400
+        assert "schema" in responses["200"]["content"].get("application/json", {"schema": 0}), path
+    for path in ("/v1/chat/completions", "/v1/completions"):
+        assert {"200", "400", "401", "404", "413", "429", "500", "503"} <= set(_responses(document, "POST", path))
+    assert "HTTPValidationError" not in document["components"]["schemas"]
+    error = document["components"]["schemas"]["ErrorInfo"]
+    assert set(error["required"]) == {"message", "type", "param", "code"}
+
+
+def test_openapi_declares_metrics_as_prometheus_text(document, plain):
+    assert set(_responses(document, "GET", "/metrics")["200"]["content"]) == {"text/plain"}
+    assert httpx.get(plain.url + "/metrics").headers["content-type"].startswith("text/plain")
+
+
+def _quick(case):
+    """Caps the output length of a generated generation request (other fields stay as generated)."""
+    if case.operation.path.startswith("/v1/") and isinstance(case.body, dict):
+        for key in ("max_tokens", "max_completion_tokens"):
+            value = case.body.get(key)
+            if not isinstance(value, int) or isinstance(value, bool) or value > MAX_TOKENS:
+                case.body[key] = MAX_TOKENS
+    return case
+
+
+@pytest.fixture(scope="module")
+def api_schema(plain, document):
+    return schemathesis.openapi.from_dict(document)
+
+
+@pytest.mark.parametrize("method, path", OPERATIONS)
+def test_responses_conform_to_the_openapi_document(api_schema, plain, method, path):
+    """A bounded, derandomized schemathesis run per operation: schema-valid requests never get a 5xx, and every
+    answer (status, content type, headers, body) is one the document describes."""
+
+    @settings(max_examples=EXAMPLES, derandomize=True, database=None, deadline=None,
+              phases=[Phase.explicit, Phase.generate], suppress_health_check=list(HealthCheck))
+    @given(case=api_schema[path][method].as_strategy().map(_quick))
+    def conforms(case):
+        case.call_and_validate(base_url=plain.url, checks=CHECKS, timeout=30)
+
+    conforms()
+
+
+def test_error_answers_conform_to_the_openapi_document(api_schema, tenants):
+    """401 (the tenants server has keys) and 404 bodies, validated against the document."""
+    operation = api_schema["/v1/completions"]["POST"]
+    for headers, body, status in [({}, {"prompt": "hi"}, 401), (ALICE, {"prompt": "hi", "model": "nope"}, 404)]:
+        case = operation.Case(body={**body, "max_tokens": 1}, headers=headers)
+        response = case.call(base_url=tenants.url, timeout=30)
+        assert response.status_code == status
+        case.validate_response(response, checks=CHECKS)

@@ -13,10 +13,11 @@ import os
 import time
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from deepinfer import __version__
+from deepinfer.server import schemas
 from deepinfer.server.errors import APIError, install_error_handlers
 from deepinfer.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from deepinfer.server.serving import Serving
@@ -104,6 +105,7 @@ def build_app(serving: Serving) -> FastAPI:
     app.state.serving = serving
     app.state.started = int(time.time())
     install_error_handlers(app)
+    schemas.install_openapi(app)
     app.add_middleware(Gate, api_keys=serving.settings.api_keys, max_body_bytes=serving.settings.max_body_bytes)
     _add_openai_routes(app, serving)
     _add_service_routes(app, serving)
@@ -111,15 +113,16 @@ def build_app(serving: Serving) -> FastAPI:
 
 
 def _add_openai_routes(app: FastAPI, serving: Serving) -> None:
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", **schemas.route(schemas.ChatCompletionResponse, *schemas.GENERATION_ERRORS,
+                                                      stream=True))
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         return await serving.chat(body, request)
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", **schemas.route(schemas.CompletionResponse, *schemas.GENERATION_ERRORS, stream=True))
     async def completions(body: CompletionRequest, request: Request) -> Response:
         return await serving.completions(body, request)
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", **schemas.route(schemas.ModelList, 401, 500))
     async def models() -> dict:
         card = {"id": serving.settings.model_name, "object": "model", "created": app.state.started,
                 "owned_by": "deepinfer", "root": serving.settings.model_name,
@@ -128,26 +131,26 @@ def _add_openai_routes(app: FastAPI, serving: Serving) -> None:
 
 
 def _add_service_routes(app: FastAPI, serving: Serving) -> None:
-    @app.get("/health")
+    @app.get("/health", **schemas.route(schemas.StatusResponse, 500, 503))
     async def health() -> Response:
         client = serving.client
         if client.dead:
             return APIError(503, f"unhealthy: {client.dead_reason or 'the engine died'}").response()
         return JSONResponse({"status": "ok"})
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse, responses=schemas.METRICS_RESPONSES)
     async def metrics() -> Response:
         return Response(serving.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
-    @app.post("/tokenize")
+    @app.post("/tokenize", **schemas.route(schemas.TokenizeResponse, *schemas.TOKENIZER_ERRORS))
     async def tokenize(body: TokenizeRequest) -> dict:
         return serving.tokenize(body)
 
-    @app.post("/detokenize")
+    @app.post("/detokenize", **schemas.route(schemas.DetokenizeResponse, *schemas.TOKENIZER_ERRORS))
     async def detokenize(body: DetokenizeRequest) -> dict:
         return serving.detokenize(body)
 
-    @app.post("/reset_prefix_cache")
+    @app.post("/reset_prefix_cache", **schemas.route(schemas.StatusResponse, 401, 413, 500, 503))
     async def reset_prefix_cache() -> dict:
         """Forget every cached prefix block in the engine (requests in flight keep their blocks)."""
         if serving.client.dead:
@@ -155,7 +158,7 @@ def _add_service_routes(app: FastAPI, serving: Serving) -> None:
         serving.client.reset_prefix_cache()
         return {"status": "ok"}
 
-    @app.get("/version")
+    @app.get("/version", **schemas.route(schemas.VersionResponse, 500))
     async def version() -> dict:
         process = getattr(serving.client, "process", None)
         return {"version": __version__, "server_pid": os.getpid(), "engine_pid": getattr(process, "pid", None)}
