@@ -8,8 +8,6 @@ tests/test_server.py; every test uses prompts of its own so the cache state of a
 
 from __future__ import annotations
 
-import time
-
 import httpx
 import pytest
 import schemathesis
@@ -27,7 +25,7 @@ from deepinfer import LLM, SamplingParams
 
 CONTEXT = 128
 ALICE, BOB = {"Authorization": "Bearer alice"}, {"Authorization": "Bearer bob"}
-HITS = "deepinfer:prefix_cache_hits_total"
+HITS, QUERIES = "deepinfer:prefix_cache_hits_total", "deepinfer:prefix_cache_queries_total"
 
 
 @pytest.fixture(scope="module")
@@ -63,13 +61,14 @@ def _post(server: ServerProcess, path: str, body: dict, headers: dict | None = N
 
 
 def hits_of(server: ServerProcess, path: str, body: dict, headers: dict | None = None) -> float:
-    """Prefix-cache hits (prompt tokens) that one greedy 1-token request adds to /metrics."""
-    before = metrics(server.url)[HITS]
+    """Prefix-cache hits (prompt tokens) that one greedy 1-token request adds to /metrics. The engine counts a
+    request's lookup and its hits together, so once the lookup shows (stats come every 0.25 s while busy and
+    when it becomes idle), so do the hits."""
+    before = metrics(server.url)
     resp = _post(server, path, {**body, "max_tokens": 1, "temperature": 0}, headers)
     assert resp.status_code == 200, resp.text
-    time.sleep(0.5)  # engine stats arrive every 0.25 s while busy, and once when it becomes idle
-    _wait_for(lambda: metrics(server.url)[HITS] >= before, 2.0)
-    return metrics(server.url)[HITS] - before
+    _wait_for(lambda: metrics(server.url)[QUERIES] > before[QUERIES], 5.0)
+    return metrics(server.url)[HITS] - before[HITS]
 
 
 def _completion(prompt: list[int], salt: str | None = None) -> dict:
