@@ -300,7 +300,12 @@ def _add_serve_parser(commands) -> None:
     sub.add_argument("model_path", nargs="?", metavar="MODEL", help="checkpoint directory (default: the bundled model)")
     sub.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s, loopback only)")
     sub.add_argument("--port", type=int, default=8000, help="port (default: %(default)s)")
-    sub.add_argument("--api-key", help="require `Authorization: Bearer KEY` on /v1/* (default: $DEEPINFER_API_KEY)")
+    sub.add_argument("--api-key", action="append", metavar="KEY",
+                     help="require `Authorization: Bearer KEY` on /v1/*; repeat for several keys, any of which "
+                          "is accepted (default: $DEEPINFER_API_KEY)")
+    sub.add_argument("--prefix-cache-isolation", choices=("none", "key"), default="none",
+                     help="key: requests share cached prompt prefixes only with requests of the same API key "
+                          "(default: %(default)s)")
     sub.add_argument("--served-model-name", metavar="NAME",
                      help="model name in the API (default: the model directory's name, deepinfer-default for "
                           "the bundled model)")

@@ -205,7 +205,7 @@ def test_serve_flags_and_settings(monkeypatch, tmp_path):
     assert launch.model_path(args) == str(tmp_path)
     monkeypatch.setenv("DEEPINFER_API_KEY", "from-env")
     settings_ = launch.settings_from(args, tmp_path, bundled=False)
-    assert (settings_.model_name, settings_.api_key, settings_.max_queue) == (tmp_path.name, "from-env", 3)
+    assert (settings_.model_name, settings_.api_keys, settings_.max_queue) == (tmp_path.name, ("from-env",), 3)
     assert launch.settings_from(args, tmp_path, bundled=True).model_name == "deepinfer-default"
     args = cli.build_parser().parse_args(["serve", "a", "--model", "b"])
     with pytest.raises(ValueError, match="two models"):

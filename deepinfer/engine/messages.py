@@ -34,6 +34,7 @@ class AddRequest(_Msg):
     params: dict  # SamplingParams fields by name (see params_to_dict); validated in the engine
     priority: int = 0
     arrival_time: float = 0.0  # the client's time.time(); informational, scheduling uses engine arrival
+    cache_salt: str | None = None  # requests with different salts never share cached prefix blocks
 
 
 class AbortRequest(_Msg):

@@ -1,20 +1,23 @@
 """The FastAPI application: routes, the request gate (API key, body size) and error handlers.
 
-Invariant: /v1/* is reachable only with the right `Authorization: Bearer <key>` when a key is set;
-no request body larger than max_body_bytes reaches a route (413 before any parsing).
+Invariant: /v1/* is reachable only with `Authorization: Bearer <key>` for one of the keys, when keys are set,
+and such a request carries its key's namespace in `request.state.tenant`; no request body larger than
+max_body_bytes reaches a route (413 before any parsing).
 """
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import os
 import time
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from deepinfer import __version__
+from deepinfer.server import schemas
 from deepinfer.server.errors import APIError, install_error_handlers
 from deepinfer.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from deepinfer.server.serving import Serving
@@ -22,12 +25,18 @@ from deepinfer.server.serving import Serving
 _GUARDED = ("/v1", "/reset_prefix_cache")  # paths that need the API key when one is set
 
 
+def key_namespace(api_key: str) -> str:
+    """A fixed-length name for an API key's prefix-cache namespace (the key itself never leaves the Gate)."""
+    return hashlib.sha256(b"deepinfer-prefix-cache\0" + api_key.encode()).hexdigest()[:32]
+
+
 class Gate:
     """Pure ASGI middleware (keeps `receive` intact for disconnect detection): API key on /v1/*,
     then the body is read up to the size limit and replayed to the application."""
 
-    def __init__(self, app, api_key: str | None, max_body_bytes: int):
-        self.app, self.api_key, self.max_body_bytes = app, api_key, max_body_bytes
+    def __init__(self, app, api_keys: tuple[str, ...], max_body_bytes: int):
+        self.app, self.max_body_bytes = app, max_body_bytes
+        self.tenants = {b"Bearer " + key.encode(): key_namespace(key) for key in api_keys}  # header -> namespace
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
@@ -41,17 +50,24 @@ class Gate:
 
     def _check_headers(self, scope) -> APIError | None:
         headers = dict(scope.get("headers") or [])
-        if self.api_key and scope["path"].startswith(_GUARDED) and not self._authorized(headers):
-            return APIError(401, "missing or invalid API key: send `Authorization: Bearer <key>`",
-                            headers={"WWW-Authenticate": "Bearer"})
+        if self.tenants and scope["path"].startswith(_GUARDED):
+            tenant = self._tenant(headers)
+            if tenant is None:
+                return APIError(401, "missing or invalid API key: send `Authorization: Bearer <key>`",
+                                headers={"WWW-Authenticate": "Bearer"})
+            scope.setdefault("state", {})["tenant"] = tenant
         length = headers.get(b"content-length", b"")
         if length.isdigit() and int(length) > self.max_body_bytes:
             return self._too_large()
         return None
 
-    def _authorized(self, headers: dict[bytes, bytes]) -> bool:
-        given = headers.get(b"authorization", b"")
-        return hmac.compare_digest(given, b"Bearer " + self.api_key.encode())
+    def _tenant(self, headers: dict[bytes, bytes]) -> str | None:
+        """The namespace of the key presented, or None; every key is compared, each in constant time."""
+        given, found = headers.get(b"authorization", b""), None
+        for expected, tenant in self.tenants.items():
+            if hmac.compare_digest(given, expected):
+                found = tenant
+        return found
 
     async def _read_body(self, receive) -> tuple[bytes, APIError | None]:
         chunks, size = [], 0
@@ -89,22 +105,24 @@ def build_app(serving: Serving) -> FastAPI:
     app.state.serving = serving
     app.state.started = int(time.time())
     install_error_handlers(app)
-    app.add_middleware(Gate, api_key=serving.settings.api_key, max_body_bytes=serving.settings.max_body_bytes)
+    schemas.install_openapi(app)
+    app.add_middleware(Gate, api_keys=serving.settings.api_keys, max_body_bytes=serving.settings.max_body_bytes)
     _add_openai_routes(app, serving)
     _add_service_routes(app, serving)
     return app
 
 
 def _add_openai_routes(app: FastAPI, serving: Serving) -> None:
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", **schemas.route(schemas.ChatCompletionResponse, *schemas.GENERATION_ERRORS,
+                                                      stream=True))
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         return await serving.chat(body, request)
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", **schemas.route(schemas.CompletionResponse, *schemas.GENERATION_ERRORS, stream=True))
     async def completions(body: CompletionRequest, request: Request) -> Response:
         return await serving.completions(body, request)
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", **schemas.route(schemas.ModelList, 401, 500))
     async def models() -> dict:
         card = {"id": serving.settings.model_name, "object": "model", "created": app.state.started,
                 "owned_by": "deepinfer", "root": serving.settings.model_name,
@@ -113,26 +131,26 @@ def _add_openai_routes(app: FastAPI, serving: Serving) -> None:
 
 
 def _add_service_routes(app: FastAPI, serving: Serving) -> None:
-    @app.get("/health")
+    @app.get("/health", **schemas.route(schemas.StatusResponse, 500, 503))
     async def health() -> Response:
         client = serving.client
         if client.dead:
             return APIError(503, f"unhealthy: {client.dead_reason or 'the engine died'}").response()
         return JSONResponse({"status": "ok"})
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse, responses=schemas.METRICS_RESPONSES)
     async def metrics() -> Response:
         return Response(serving.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
-    @app.post("/tokenize")
+    @app.post("/tokenize", **schemas.route(schemas.TokenizeResponse, *schemas.TOKENIZER_ERRORS))
     async def tokenize(body: TokenizeRequest) -> dict:
         return serving.tokenize(body)
 
-    @app.post("/detokenize")
+    @app.post("/detokenize", **schemas.route(schemas.DetokenizeResponse, *schemas.TOKENIZER_ERRORS))
     async def detokenize(body: DetokenizeRequest) -> dict:
         return serving.detokenize(body)
 
-    @app.post("/reset_prefix_cache")
+    @app.post("/reset_prefix_cache", **schemas.route(schemas.StatusResponse, 401, 413, 500, 503))
     async def reset_prefix_cache() -> dict:
         """Forget every cached prefix block in the engine (requests in flight keep their blocks)."""
         if serving.client.dead:
@@ -140,7 +158,7 @@ def _add_service_routes(app: FastAPI, serving: Serving) -> None:
         serving.client.reset_prefix_cache()
         return {"status": "ok"}
 
-    @app.get("/version")
+    @app.get("/version", **schemas.route(schemas.VersionResponse, 500))
     async def version() -> dict:
         process = getattr(serving.client, "process", None)
         return {"version": __version__, "server_pid": os.getpid(), "engine_pid": getattr(process, "pid", None)}

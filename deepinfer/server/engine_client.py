@@ -122,7 +122,7 @@ class AsyncEngineClient:
 
     # --- requests --------------------------------------------------------------------------------
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                       priority: int = 0) -> AsyncIterator[EngineOutput]:
+                       priority: int = 0, cache_salt: str | None = None) -> AsyncIterator[EngineOutput]:
         """Yield this request's EngineOutputs (all n samples, interleaved) until every sample finished.
 
         Raises ValueError if the engine rejects the request (or the id is in flight), RuntimeError if the
@@ -130,9 +130,9 @@ class AsyncEngineClient:
         dies (or the client shuts down) meanwhile, each unfinished sample ends with finish_reason "error".
         Closing the generator early (aclose, cancellation, garbage collection) aborts the request.
         Request ids must be unique over the client's life: a reused id may receive late outputs of
-        an aborted predecessor.
+        an aborted predecessor. Requests with different `cache_salt`s never share cached prefix blocks.
         """
-        stream = self._open(request_id, prompt_token_ids, params, priority)
+        stream = self._open(request_id, prompt_token_ids, params, priority, cache_salt)
         try:
             while stream.unfinished or not stream.queue.empty():
                 item = await stream.queue.get()
@@ -143,12 +143,12 @@ class AsyncEngineClient:
             self._close_stream(stream)
 
     def _open(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-              priority: int) -> _Stream:
+              priority: int, cache_salt: str | None = None) -> _Stream:
         if self.dead or self.closed:
             raise EngineDeadError(self.dead_reason or "the engine client is shut down")
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in flight")
-        data = _encode_add(request_id, prompt_token_ids, params, priority)
+        data = _encode_add(request_id, prompt_token_ids, params, priority, cache_salt)
         stream = self._streams[request_id] = _Stream(request_id, set(range(params.n)), len(prompt_token_ids))
         self._outbox.put_nowait(data)
         return stream
@@ -256,7 +256,8 @@ class AsyncEngineClient:
 
 
 # --- helpers -------------------------------------------------------------------------------------
-def _encode_add(request_id: str, prompt_token_ids: list[int], params: SamplingParams, priority: int) -> bytes:
+def _encode_add(request_id: str, prompt_token_ids: list[int], params: SamplingParams, priority: int,
+                cache_salt: str | None = None) -> bytes:
     """Encode an AddRequest, turning what msgpack cannot carry into the ValueError a bad request gets."""
     if not isinstance(params, SamplingParams):
         raise ValueError(f"request {request_id}: sampling params must be SamplingParams, got {type(params)}")
@@ -264,7 +265,8 @@ def _encode_add(request_id: str, prompt_token_ids: list[int], params: SamplingPa
     if not all(isinstance(t, int) for t in ids):
         raise ValueError(f"request {request_id}: prompt token ids must be ints")
     try:
-        return encode(AddRequest(request_id, [int(t) for t in ids], params_to_dict(params), priority, time.time()))
+        return encode(AddRequest(request_id, [int(t) for t in ids], params_to_dict(params), priority, time.time(),
+                                 cache_salt))
     except (TypeError, OverflowError) as e:
         raise ValueError(f"request {request_id}: {e}") from None
 

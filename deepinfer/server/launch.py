@@ -53,13 +53,23 @@ def model_path(args: argparse.Namespace) -> str | None:
 
 def settings_from(args: argparse.Namespace, path: Path, bundled: bool) -> ServerSettings:
     name = args.served_model_name or (BUNDLED_MODEL_NAME if bundled else path.name)
-    api_key = args.api_key if args.api_key is not None else os.environ.get("DEEPINFER_API_KEY") or None
+    api_keys = api_keys_from(args)
+    isolation = getattr(args, "prefix_cache_isolation", "none")
+    if isolation == "key" and not api_keys:
+        raise ValueError("--prefix-cache-isolation key needs at least one --api-key (or $DEEPINFER_API_KEY)")
     for flag in ("max_queue", "max_n", "max_body_bytes"):
         if getattr(args, flag) < 1:
             raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
-    return ServerSettings(model_name=name, api_key=api_key, max_queue=args.max_queue, max_n=args.max_n,
+    return ServerSettings(model_name=name, api_keys=api_keys, max_queue=args.max_queue, max_n=args.max_n,
                           max_body_bytes=args.max_body_bytes,
-                          grammar_timeout_s=getattr(args, "grammar_compile_timeout_s", 30.0))
+                          grammar_timeout_s=getattr(args, "grammar_compile_timeout_s", 30.0),
+                          prefix_cache_isolation=isolation)
+
+
+def api_keys_from(args: argparse.Namespace) -> tuple[str, ...]:
+    """Every --api-key given (each one a tenant), else $DEEPINFER_API_KEY; empty keys do not count."""
+    given = args.api_key if args.api_key is not None else [os.environ.get("DEEPINFER_API_KEY", "")]
+    return tuple(key for key in given if key)
 
 
 def run_server(args: argparse.Namespace) -> int:

@@ -110,6 +110,7 @@ class _SamplingFields(_Body):
     user: str | None = None
     priority: BoundedInt = 0
     return_tokens_as_token_ids: bool = False  # vLLM: logprob tokens read "token_id:<id>"
+    cache_salt: Annotated[str, Field(min_length=1)] | None = None  # vLLM: only requests with equal salts share prefixes
     # Structured outputs: OpenAI's response_format, vLLM's structured_outputs and its older guided_* names.
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsField | None = None
@@ -134,6 +135,7 @@ class ChatCompletionRequest(_SamplingFields):
     tools: list[Tool] | None = None
     tool_choice: str | dict[str, Any] | None = None  # auto | none | required | {"type": "function", ...}
     parallel_tool_calls: bool = True
+    add_special_tokens: bool = False  # vLLM: the chat template already starts the prompt with BOS
 
     @property
     def output_limit(self) -> int | None:
@@ -155,6 +157,7 @@ class CompletionRequest(_SamplingFields):
     logprobs: BoundedInt | None = None
     echo: bool = False
     suffix: str | None = None
+    add_special_tokens: bool = True  # vLLM: BOS before each text prompt (token-id prompts are sent as given)
 
     @property
     def num_logprobs(self) -> int | None:

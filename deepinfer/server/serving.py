@@ -56,12 +56,13 @@ _OPTIONAL_SAMPLING = ("temperature", "top_p", "top_k", "min_p", "seed", "presenc
 @dataclass
 class ServerSettings:
     model_name: str
-    api_key: str | None = None
+    api_keys: tuple[str, ...] = ()  # any of them authorizes /v1/*; none: the API is open
     max_queue: int = 512
     max_n: int = 16
     max_body_bytes: int = 16 * 2**20
     retry_after_s: int = 1
     grammar_timeout_s: float = 30.0  # a structured-output constraint that does not build in time is a 400
+    prefix_cache_isolation: str = "none"  # "key": each API key's requests share cached prefixes only among themselves
 
 
 class Admission:
@@ -179,7 +180,8 @@ class Generation:
 
     async def updates(self) -> AsyncIterator[Update]:
         client = self.job.serving.client
-        stream = client.generate(self.request_id, self.prompt.token_ids, self.job.params, self.job.priority)
+        stream = client.generate(self.request_id, self.prompt.token_ids, self.job.params, self.job.priority,
+                                 self.job.cache_salt)
         try:
             async for out in stream:  # closed in `finally`, which aborts the engine request if unfinished
                 update = self._apply(out)
@@ -252,8 +254,9 @@ class Job:
     """One HTTP request: its generations (one per prompt), choices, usage and timing."""
 
     def __init__(self, serving: Serving, request_id: str, prompts: list[Prompt], params: SamplingParams,
-                 priority: int, stream: bool, tools: ToolSetup | None = None):
+                 priority: int, stream: bool, tools: ToolSetup | None = None, cache_salt: str | None = None):
         self.serving, self.request_id, self.prompts = serving, request_id, prompts
+        self.cache_salt = cache_salt  # every generation's prefix blocks are keyed by it
         self.tools = tools if tools is not None and tools.active else None  # parse outputs for tool calls
         self.params, self.priority, self.stream = params, priority, stream
         self.created = int(time.time())
@@ -408,6 +411,14 @@ class Serving:
             raise bad_request(f"this model's maximum context length is {limit} tokens, but {n} prompt tokens + "
                               f"max_tokens {max_tokens} were requested", param="max_tokens")
 
+    def cache_salt(self, req, request: Request) -> str | None:
+        """The salt the engine keys the request's prefix blocks by: its own `cache_salt`, inside the caller's
+        API-key namespace under --prefix-cache-isolation key (the Gate put it in `request.state.tenant`).
+        The namespace has a fixed length, so distinct (namespace, salt) pairs never give the same salt."""
+        if self.settings.prefix_cache_isolation != "key":
+            return req.cache_salt
+        return f"{getattr(request.state, 'tenant', '')}:{req.cache_salt or ''}"
+
     # --- sampling parameters ---------------------------------------------------------------------
     def sampling_params(self, req, max_tokens: int | None, echo_logprobs: bool = False,
                         structured: StructuredOutputsParams | None = None) -> SamplingParams:
@@ -457,10 +468,11 @@ class Serving:
         tools = tool_setup(req)
         kwargs = {**(req.chat_template_kwargs or {}), **({"tools": tools.tools} if tools.active else {})}
         text = render_chat(tok, req.messages, req.add_generation_prompt, kwargs)
-        prompt = Prompt(text, _encode(tok, text, add_special_tokens=False), thinking_enabled(text))
+        prompt = Prompt(text, _encode(tok, text, req.add_special_tokens), thinking_enabled(text))
         self._check_prompt(prompt.token_ids, req.output_limit)
         params = await self._structured_params(req, req.output_limit, prompt.thinking, tools)
-        job = Job(self, f"chatcmpl-{uuid.uuid4().hex}", [prompt], params, req.priority, req.stream, tools)
+        job = Job(self, f"chatcmpl-{uuid.uuid4().hex}", [prompt], params, req.priority, req.stream, tools,
+                  cache_salt=self.cache_salt(req, request))
         return await self.respond(request, job, ChatShape(self, req))
 
     # --- completions -----------------------------------------------------------------------------
@@ -468,14 +480,15 @@ class Serving:
         self.check_request(req.model)
         if req.suffix:
             raise bad_request("suffix is not supported", param="suffix")
-        prompts = self._completion_prompts(req.prompt)
+        prompts = self._completion_prompts(req.prompt, req.add_special_tokens)
         for p in prompts:
             self._check_prompt(p.token_ids, req.max_tokens)
         spec = request_spec(req, thinking=False)
         await check_spec(spec, self.grammar_checker, self.settings.grammar_timeout_s)
         params = self.sampling_params(req, req.max_tokens, echo_logprobs=req.echo and req.logprobs is not None,
                                       structured=spec)
-        job = Job(self, f"cmpl-{uuid.uuid4().hex}", prompts, params, req.priority, req.stream)
+        job = Job(self, f"cmpl-{uuid.uuid4().hex}", prompts, params, req.priority, req.stream,
+                  cache_salt=self.cache_salt(req, request))
         return await self.respond(request, job, CompletionShape(self, req))
 
     async def _structured_params(self, req, max_tokens: int | None, thinking: bool,
@@ -488,18 +501,20 @@ class Serving:
         await check_spec(spec, self.grammar_checker, self.settings.grammar_timeout_s, "tools" if forced else None)
         return self.sampling_params(req, max_tokens, structured=spec)
 
-    def _completion_prompts(self, prompt) -> list[Prompt]:
-        """str | list[str] | list[int] | list[list[int]] -> one Prompt per engine request."""
+    def _completion_prompts(self, prompt, add_special_tokens: bool = True) -> list[Prompt]:
+        """str | list[str] | list[int] | list[list[int]] -> one Prompt per engine request; only text prompts
+        get special tokens (BOS), and only with `add_special_tokens`."""
         if isinstance(prompt, str):
-            return [self._text_prompt(prompt)]
+            return [self._text_prompt(prompt, add_special_tokens)]
         if not prompt:
             raise bad_request("the prompt is empty", param="prompt")
         if all(isinstance(t, int) for t in prompt):
             return [Prompt(None, list(prompt))]
-        return [self._text_prompt(p) if isinstance(p, str) else Prompt(None, list(p)) for p in prompt]
+        return [self._text_prompt(p, add_special_tokens) if isinstance(p, str) else Prompt(None, list(p))
+                for p in prompt]
 
-    def _text_prompt(self, text: str) -> Prompt:
-        return Prompt(text, _encode(self._require_tokenizer("a text prompt"), text))
+    def _text_prompt(self, text: str, add_special_tokens: bool = True) -> Prompt:
+        return Prompt(text, _encode(self._require_tokenizer("a text prompt"), text, add_special_tokens))
 
     # --- tokenize / detokenize -------------------------------------------------------------------
     def tokenize(self, req: TokenizeRequest) -> dict[str, Any]:
