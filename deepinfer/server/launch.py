@@ -52,6 +52,8 @@ def model_path(args: argparse.Namespace) -> str | None:
 
 
 def settings_from(args: argparse.Namespace, path: Path, bundled: bool) -> ServerSettings:
+    from deepinfer.cli import engine_kwargs  # the cli imports this module lazily, so no cycle
+
     name = args.served_model_name or (BUNDLED_MODEL_NAME if bundled else path.name)
     api_key = args.api_key if args.api_key is not None else os.environ.get("DEEPINFER_API_KEY") or None
     for flag in ("max_queue", "max_n", "max_body_bytes"):
@@ -59,7 +61,7 @@ def settings_from(args: argparse.Namespace, path: Path, bundled: bool) -> Server
             raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
     return ServerSettings(model_name=name, api_key=api_key, max_queue=args.max_queue, max_n=args.max_n,
                           max_body_bytes=args.max_body_bytes,
-                          grammar_timeout_s=getattr(args, "grammar_compile_timeout_s", 30.0))
+                          grammar_timeout_s=engine_kwargs(args)["grammar_compile_timeout_s"])
 
 
 def run_server(args: argparse.Namespace) -> int:
