@@ -6,7 +6,8 @@ Lifecycle invariants:
   generate;
 - SIGTERM / SIGINT: uvicorn stops accepting connections and lets in-flight requests finish for up to
   --drain-timeout seconds (then cancels them, which aborts their engine requests); the engine is shut
-  down afterwards and the exit status is 0;
+  down afterwards (the grammar-check workers are killed first, so an overrunning compile never delays
+  the exit) and the exit status is 0;
 - engine death: /health answers 503 at once, in-flight requests end with an error, and after a short
   grace the server shuts down and the process exits with EXIT_ENGINE_DEAD, so a supervisor restarts it.
 """
@@ -105,6 +106,7 @@ def _load_tokenizer(directory: Path) -> Tokenizer | None:
 async def _serve(args, sock: socket.socket, model: str, engine_kwargs: dict, settings: ServerSettings,
                  tokenizer) -> int:
     client = await AsyncEngineClient.start(model, engine_kwargs)
+    serving = None
     try:
         serving = Serving(client, tokenizer, settings, Metrics(client.stats))
         server = uvicorn.Server(_uvicorn_config(args, build_app(serving)))
@@ -113,6 +115,8 @@ async def _serve(args, sock: socket.socket, model: str, engine_kwargs: dict, set
             await server.serve(sockets=[sock])
         watcher.cancel()
     finally:
+        if serving is not None:
+            serving.close()
         await client.shutdown()
     return EXIT_ENGINE_DEAD if client.dead else 0
 

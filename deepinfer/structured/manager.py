@@ -8,7 +8,12 @@ Invariants:
   recompute cache entries, never outputs;
 - `rollback(k)` undoes the last k observed tokens exactly (speculative decoding rejects drafts with it);
 - the bitmask is only read by the sampler after `result()`, and matchers only advance in the scheduler's
-  update, after sampling: the fill thread and the engine loop never touch a matcher at the same time.
+  update, after sampling: the fill thread and the engine loop never touch a matcher at the same time;
+- compiles run on the pool's threads, never on the engine loop (xgrammar releases the GIL), so a slow one
+  delays only constrained requests. A compile still queued at its request's deadline is cancelled, so
+  at most `max_workers` overrunning compiles exist at a time. The server checks every spec first, in a
+  process killed at the same limit (server/grammar_workers.py), so the engine normally only compiles
+  specs that compiled in time there; offline (`LLM`), a slow spec holds a thread until it finishes.
 """
 
 from __future__ import annotations
@@ -47,13 +52,14 @@ class RequestGrammar:
     def ready(self) -> bool:
         if self.matcher is not None or self.error is not None:
             return True
-        if self._compiled.done():
+        if self._compiled.done() and not self._compiled.cancelled():
             try:
                 self.matcher = backend.new_matcher(self._compiled.result())
             except Exception as e:
                 self.error = f"the {self.spec.kind} constraint failed to compile: {e}"
             return True
-        if time.monotonic() > self.deadline:
+        if self._compiled.cancelled() or time.monotonic() > self.deadline:
+            self._compiled.cancel()  # still queued: it never starts (a running compile cannot be stopped)
             self.error = f"the {self.spec.kind} constraint did not compile within {self.timeout_s:g} s"
             return True
         return False
@@ -132,7 +138,7 @@ class StructuredOutputManager:
         """A fresh matcher state; the grammar compiles in the pool unless the cache already has it."""
         key = spec.key()
         future = self._compiled.get(key)
-        if future is None:
+        if future is None or future.cancelled():
             grammar = self.validate(spec)
             future = self._compile_pool.submit(self.compiler.compile, grammar)
             self.num_compiles += 1
