@@ -130,6 +130,24 @@ def test_the_check_kills_a_compile_at_its_time_limit():
     assert workers and all(not p.is_alive() for p in workers)
 
 
+def test_a_check_past_its_memory_cap_fails_in_its_worker_only():
+    from deepinfer.server.grammar_workers import CompilePool
+    from deepinfer.tokenizer import Tokenizer
+
+    async def scenario():
+        tok = Tokenizer.from_dir(default_model_path())
+        pool = CompilePool(tok, tok.vocab_size, [tok.eos_token_id], size=1, memory_bytes=32 * 2**20)
+        try:
+            assert await pool.verdict({"regex": "a"}, 60) is None
+            reason = await pool.verdict({"json": slow_schema("mem")}, 30)
+            assert reason is not None and "bad_alloc" in reason
+            assert await pool.verdict({"regex": "b"}, 30) is None  # the same worker serves on
+        finally:
+            pool.close()
+
+    asyncio.run(scenario())
+
+
 # --- through a real server ---------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
