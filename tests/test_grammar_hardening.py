@@ -5,10 +5,12 @@ blocks later requests or the exit), the limit is the flag's, external `$ref`s an
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import signal
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -207,15 +209,42 @@ def test_a_slow_compile_is_a_400_at_the_limit_and_blocks_nothing(server):
 
 def test_sigterm_exits_promptly_with_a_slow_compile_in_flight(server):
     """Last test of `server`: the in-flight slow check ends at its limit, the workers are killed, and the
-    process exits 0 well within the drain timeout."""
+    process exits 0 well within the drain timeout, leaving no process behind."""
     fmt = {"type": "json_schema", "json_schema": {"name": "slow", "schema": slow_schema("term")}}
     sender = threading.Thread(target=_chat, args=(server,), kwargs={"response_format": fmt}, daemon=True)
     sender.start()
     time.sleep(1.0)
+    helpers = _descendants(server.proc.pid)  # the engine, the fork server and the check workers
     started = time.monotonic()
     server.proc.send_signal(signal.SIGTERM)
     assert server.proc.wait(DRAIN_S + 10) == 0, server.log()
     assert time.monotonic() - started < DRAIN_S + 5
+    time.sleep(1.0)
+    if Path("/proc").is_dir():  # nothing it started outlives it
+        assert len(helpers) >= 3 and not [pid for pid in helpers if _alive(pid)]
+
+
+def _descendants(pid: int) -> list[int]:
+    """Linux: the processes below `pid`, from /proc."""
+    parents = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError):
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            parents[int(stat.parent.name)] = int(fields[1])
+    found, frontier = [], [pid]
+    while frontier:
+        children = [p for p, parent in parents.items() if parent in frontier]
+        found += children
+        frontier = children
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
 
 
 def test_the_engine_never_starts_a_compile_whose_requests_gave_up():
