@@ -247,9 +247,10 @@ def _alive(pid: int) -> bool:
     return state != "Z"
 
 
-def test_the_engine_never_starts_a_compile_whose_requests_gave_up():
-    """Engine side: compiles cannot be killed there, but one still queued at its deadline is cancelled,
-    so at most max_workers overrunning compiles exist; a later request for that spec compiles afresh.
+def test_engine_compiles_past_their_deadline_do_not_wedge_later_ones():
+    """Engine side: compiles cannot be killed there, but one still queued at its deadline is cancelled
+    (a later request for that spec compiles afresh), and once every thread runs an overrunning compile,
+    new compiles get a fresh pool instead of queueing behind them.
     (20,000 values: the running compile, which holds its thread to the end, lasts a few seconds.)"""
     from deepinfer.structured.manager import StructuredOutputManager
     from deepinfer.tokenizer import Tokenizer
@@ -262,7 +263,16 @@ def test_the_engine_never_starts_a_compile_whose_requests_gave_up():
         time.sleep(0.4)
         assert slow.ready() and queued.ready() and "did not compile within 0.3 s" in queued.error
         assert queued._compiled.cancelled() and not slow._compiled.cancelled()  # the first one is running
-        again = manager.request_state(queued.spec)
-        assert again._compiled is not queued._compiled
+        small = manager.request_state(StructuredOutputsParams(regex="small"))  # a fresh pool: not wedged
+        _wait(small.ready, 0.3)
+        assert small.error is None and small.matcher is not None
+        assert manager.request_state(queued.spec)._compiled is not queued._compiled
     finally:
         manager.shutdown()
+
+
+def _wait(condition, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
