@@ -182,16 +182,16 @@ def test_bad_input_answers_400(server, extra, reason):
 
 
 def test_a_slow_compile_is_a_400_at_the_limit_and_blocks_nothing(server):
-    """Four slow schemas at once (more than the two check workers): each is a 400 at about the flag's
-    limit, and a constrained request right after them is served at once."""
+    """Eight slow schemas at once (the issue's case; four times the check workers): each is a 400 at
+    about the flag's limit, and a constrained request right after them is served at once."""
     assert _chat(server, response_format={"type": "json_object"}).status_code == 200  # the workers are up
-    responses, started = [None] * 4, time.monotonic()
+    responses, started = [None] * 8, time.monotonic()
 
     def send(i):
         fmt = {"type": "json_schema", "json_schema": {"name": "slow", "schema": slow_schema(f"s{i}")}}
         responses[i] = _chat(server, response_format=fmt)
 
-    threads = [threading.Thread(target=send, args=(i,)) for i in range(4)]
+    threads = [threading.Thread(target=send, args=(i,)) for i in range(8)]
     for t in threads:
         t.start()
     for t in threads:
