@@ -36,6 +36,10 @@ class Tokenizer:
             i for i, t in tokenizer.get_added_tokens_decoder().items() if t.special)
         self._compiled_template: jinja2.Template | None = None
 
+    def __getstate__(self) -> dict[str, Any]:
+        """Picklable (the grammar-check workers receive it): the compiled template is rebuilt on use."""
+        return {**self.__dict__, "_compiled_template": None}
+
     @classmethod
     def from_dir(cls, path: str | Path) -> Tokenizer:
         path = Path(path)

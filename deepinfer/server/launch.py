@@ -6,7 +6,8 @@ Lifecycle invariants:
   generate;
 - SIGTERM / SIGINT: uvicorn stops accepting connections and lets in-flight requests finish for up to
   --drain-timeout seconds (then cancels them, which aborts their engine requests); the engine is shut
-  down afterwards and the exit status is 0;
+  down afterwards (the grammar-check workers are killed first, so an overrunning compile never delays
+  the exit) and the exit status is 0;
 - engine death: /health answers 503 at once, in-flight requests end with an error, and after a short
   grace the server shuts down and the process exits with EXIT_ENGINE_DEAD, so a supervisor restarts it.
 """
@@ -52,6 +53,8 @@ def model_path(args: argparse.Namespace) -> str | None:
 
 
 def settings_from(args: argparse.Namespace, path: Path, bundled: bool) -> ServerSettings:
+    from deepinfer.cli import engine_kwargs  # the cli imports this module lazily, so no cycle
+
     name = args.served_model_name or (BUNDLED_MODEL_NAME if bundled else path.name)
     api_keys = api_keys_from(args)
     isolation = getattr(args, "prefix_cache_isolation", "none")
@@ -62,7 +65,7 @@ def settings_from(args: argparse.Namespace, path: Path, bundled: bool) -> Server
             raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
     return ServerSettings(model_name=name, api_keys=api_keys, max_queue=args.max_queue, max_n=args.max_n,
                           max_body_bytes=args.max_body_bytes,
-                          grammar_timeout_s=getattr(args, "grammar_compile_timeout_s", 30.0),
+                          grammar_timeout_s=engine_kwargs(args)["grammar_compile_timeout_s"],
                           prefix_cache_isolation=isolation)
 
 
@@ -113,6 +116,7 @@ def _load_tokenizer(directory: Path) -> Tokenizer | None:
 async def _serve(args, sock: socket.socket, model: str, engine_kwargs: dict, settings: ServerSettings,
                  tokenizer) -> int:
     client = await AsyncEngineClient.start(model, engine_kwargs)
+    serving = None
     try:
         serving = Serving(client, tokenizer, settings, Metrics(client.stats))
         server = uvicorn.Server(_uvicorn_config(args, build_app(serving)))
@@ -121,6 +125,8 @@ async def _serve(args, sock: socket.socket, model: str, engine_kwargs: dict, set
             await server.serve(sockets=[sock])
         watcher.cancel()
     finally:
+        if serving is not None:
+            serving.close()
         await client.shutdown()
     return EXIT_ENGINE_DEAD if client.dead else 0
 

@@ -374,6 +374,11 @@ class Serving:
             self._grammar_checker = GrammarChecker(self.tokenizer, ready.vocab_size, list(ready.eos_token_ids))
         return self._grammar_checker
 
+    def close(self) -> None:
+        """Kills the grammar-check workers (a compile in progress dies with its worker)."""
+        if self._grammar_checker is not None:
+            self._grammar_checker.close()
+
     @property
     def max_model_len(self) -> int:
         return self.client.ready.max_model_len

@@ -1,13 +1,15 @@
 """Request fields -> StructuredOutputsParams: OpenAI `response_format`, vLLM's `structured_outputs` and
 its older `guided_*` names, and forced tool calls. Every problem is a 400 naming the field, found
-before anything is queued (the grammar is built here, off the event loop, under a time limit)."""
+before anything is queued (the grammar is built and compiled in a worker process, under a time limit)."""
 
 from __future__ import annotations
 
 import asyncio
-import threading
+import hashlib
+from collections import OrderedDict
 
 from deepinfer.server.errors import bad_request
+from deepinfer.server.grammar_workers import CompilePool, WorkerGone
 from deepinfer.structured.params import StructuredOutputsParams
 
 _GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
@@ -59,41 +61,51 @@ def request_spec(req, thinking: bool, tool_spec: dict | None = None) -> Structur
 
 
 class GrammarChecker:
-    """Compiles constraints against the served tokenizer, as the engine will (xgrammar's own cache keeps
-    repeated schemas cheap), so a grammar that fails or is too slow to compile is the client's 400 rather
-    than a failed request later. Thread-safe; built with the first constraint."""
+    """Builds and compiles constraints against the served tokenizer, as the engine will, in killable worker
+    processes (server/grammar_workers.py), so a grammar that fails or is too slow to compile is the
+    client's 400 rather than a failed request later, and a slow one costs nothing past its time limit.
+    Verdicts are remembered per spec (a repeated schema is answered without a worker); a time-out is
+    not, since load may have caused it. Invariant: the engine's compile of a spec that passed here
+    normally finishes within the same limit (engine and check compile the same grammar the same way)."""
 
-    CACHE_BYTES = 64 * 2**20
+    CACHE_ENTRIES = 4096
 
-    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: list[int]):
-        self.tokenizer, self.vocab_size, self.stop_token_ids = tokenizer, vocab_size, stop_token_ids
-        self._compiler = None
-        self._lock = threading.Lock()
+    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: list[int], workers: int = 2):
+        self.pool = CompilePool(tokenizer, vocab_size, stop_token_ids, size=workers)
+        self._verdicts: OrderedDict[bytes, str | None] = OrderedDict()  # spec key digest -> reason or None
 
-    def __call__(self, spec: StructuredOutputsParams) -> None:
-        from deepinfer.structured import backend  # xgrammar loads with the first constraint, off the event loop
+    async def check(self, spec: StructuredOutputsParams, timeout_s: float) -> None:
+        """ValueError with the reason when the spec does not build or compile; TimeoutError past timeout_s."""
+        key = hashlib.sha256(repr(spec.key()).encode()).digest()
+        if key not in self._verdicts:
+            self._remember(key, await self._verdict(spec, timeout_s))
+        self._verdicts.move_to_end(key)
+        if self._verdicts[key] is not None:
+            raise ValueError(self._verdicts[key])
 
-        grammar = backend.build_grammar(spec)
-        if self.tokenizer is None:
-            return  # the engine answers (it cannot constrain without a tokenizer)
-        with self._lock:
-            if self._compiler is None:
-                info = backend.tokenizer_info(self.tokenizer, self.vocab_size, self.stop_token_ids)
-                self._compiler = backend.Compiler(info, cache_bytes=self.CACHE_BYTES)
+    async def _verdict(self, spec: StructuredOutputsParams, timeout_s: float) -> str | None:
         try:
-            self._compiler.compile(grammar)
-        except Exception as e:
-            raise ValueError(f"the {spec.kind} constraint failed to compile: {backend.reason(e)}") from None
+            return await self.pool.verdict(spec.to_dict(), timeout_s)
+        except WorkerGone as e:  # not remembered: the crash may have been the machine's, not the spec's
+            raise ValueError(f"the {spec.kind} constraint failed to compile: {e}") from None
+
+    def _remember(self, key: bytes, verdict: str | None) -> None:
+        self._verdicts[key] = verdict
+        while len(self._verdicts) > self.CACHE_ENTRIES:
+            self._verdicts.popitem(last=False)
+
+    def close(self) -> None:
+        self.pool.close()
 
 
 async def check_spec(spec: StructuredOutputsParams | None, check: GrammarChecker, timeout_s: float,
                      param: str | None = None) -> None:
-    """Builds and compiles the grammar in a worker thread: a bad schema / regex / grammar, or one that does
-    not compile within `timeout_s`, is a 400 with the reason."""
+    """A bad schema / regex / grammar, or one that does not compile within `timeout_s`, is a 400 with the
+    reason (the compile is killed at the limit)."""
     if spec is None:
         return
     try:
-        await asyncio.wait_for(asyncio.to_thread(check, spec), timeout_s)
+        await check.check(spec, timeout_s)
     except ValueError as e:
         raise bad_request(str(e), param=param) from None
     except asyncio.TimeoutError:

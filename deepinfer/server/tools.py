@@ -88,22 +88,37 @@ def _check_tool(i: int, tool) -> dict[str, Any]:
     return tool.model_dump(exclude_none=True)
 
 
+_CHOICE_SHAPE = "tool_choice must be auto, none, required or {'type': 'function', 'function': {'name': ...}}"
+
+
 def _check_choice(choice, names: list[str]) -> str | dict[str, Any]:
     if choice is None:
         return "auto" if names else "none"
     if isinstance(choice, str):
-        if choice not in ("auto", "none", "required"):
-            raise bad_request(f"tool_choice must be auto, none, required or a function, got {choice!r}",
-                              param="tool_choice")
-        if choice == "required" and not names:
-            raise bad_request("tool_choice 'required' needs tools", param="tool_choice")
-        return choice
-    name = (choice.get("function") or {}).get("name") if choice.get("type") == "function" else None
-    if not isinstance(name, str):
-        raise bad_request("tool_choice must be {'type': 'function', 'function': {'name': ...}}", param="tool_choice")
+        return _check_choice_word(choice, names)
+    name = _choice_name(choice)
     if name not in names:
         raise bad_request(f"tool_choice names function {name!r}, which is not among the tools", param="tool_choice")
     return {"type": "function", "function": {"name": name}}
+
+
+def _check_choice_word(choice: str, names: list[str]) -> str:
+    if choice not in ("auto", "none", "required"):
+        raise bad_request(f"{_CHOICE_SHAPE}, got {choice!r}", param="tool_choice")
+    if choice == "required" and not names:
+        raise bad_request("tool_choice 'required' needs tools", param="tool_choice")
+    return choice
+
+
+def _choice_name(choice) -> str:
+    """The function a tool_choice object names; any other shape (a list, `function` given as a string,
+    no name, a type other than function) is a 400 naming tool_choice."""
+    if not isinstance(choice, dict) or choice.get("type") != "function":
+        raise bad_request(f"{_CHOICE_SHAPE}, got {choice!r}", param="tool_choice")
+    function = choice.get("function")
+    if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+        raise bad_request(f"{_CHOICE_SHAPE}, got function={function!r}", param="tool_choice")
+    return function["name"]
 
 
 def tool_setup(req) -> ToolSetup:

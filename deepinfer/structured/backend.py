@@ -81,11 +81,24 @@ class Compiler:
                                              cache_limit_bytes=cache_bytes if cache_bytes > 0 else -1)
 
     def compile(self, grammar: xgr.Grammar) -> xgr.CompiledGrammar:
-        return self._compiler.compile_grammar(grammar)
+        """The compiled grammar; ValueError when its language is empty (no output can ever match)."""
+        compiled = self._compiler.compile_grammar(grammar)
+        if not allows_any_token(new_matcher(compiled), self.info.vocab_size):
+            raise ValueError("no output can match it (the first token already has no allowed choice)")
+        return compiled
 
 
 def new_matcher(compiled: xgr.CompiledGrammar) -> xgr.GrammarMatcher:
     return xgr.GrammarMatcher(compiled)
+
+
+def allows_any_token(matcher: xgr.GrammarMatcher, vocab_size: int) -> bool:
+    """Some token is allowed next (EOS counts: a complete grammar allows it). For a fresh matcher False
+    means no output can match: the language is empty, or none of its first characters has a token."""
+    bitmask = allocate_bitmask(1, vocab_size)
+    matcher.fill_next_token_bitmask(bitmask)
+    words, rest = divmod(vocab_size, 32)
+    return bool(bitmask[0, :words].any()) or bool(rest and int(bitmask[0, words]) & ((1 << rest) - 1))
 
 
 def allocate_bitmask(rows: int, vocab_size: int) -> torch.Tensor:

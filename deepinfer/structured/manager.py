@@ -9,6 +9,12 @@ Invariants:
 - `rollback(k)` undoes the last k observed tokens exactly (speculative decoding rejects drafts with it);
 - the bitmask is only read by the sampler after `result()`, and matchers only advance in the scheduler's
   update, after sampling: the fill thread and the engine loop never touch a matcher at the same time;
+- compiles run on pool threads, never on the engine loop (xgrammar releases the GIL), so a slow one
+  delays only constrained requests. A compile still queued at its request's deadline is cancelled, and
+  a pool whose every thread runs past its deadline is replaced for later compiles (bounded:
+  `_route_around_overruns`). The server checks every spec first, in a process killed at the same limit
+  (server/grammar_workers.py), so the engine normally only compiles specs that compiled in time there;
+  offline (`LLM`) a slow spec fails its request at the limit but holds a thread until it finishes.
 - budget-aware: a row whose position is within `closing_margin` tokens of the shortest way to finish the
   grammar found (see `closing.py`) allows only the next closing token, so an output that still has the
   budget to finish does finish (with its stop token) instead of running out of tokens mid-structure.
@@ -52,13 +58,14 @@ class RequestGrammar:
     def ready(self) -> bool:
         if self.matcher is not None or self.error is not None:
             return True
-        if self._compiled.done():
+        if self._compiled.done() and not self._compiled.cancelled():
             try:
                 self.matcher = backend.new_matcher(self._compiled.result())
             except Exception as e:
                 self.error = f"the {self.spec.kind} constraint failed to compile: {e}"
             return True
-        if time.monotonic() > self.deadline:
+        if self._compiled.cancelled() or time.monotonic() > self.deadline:
+            self._compiled.cancel()  # still queued: it never starts (a running compile cannot be stopped)
             self.error = f"the {self.spec.kind} constraint did not compile within {self.timeout_s:g} s"
             return True
         return False
@@ -110,6 +117,8 @@ class RequestGrammar:
 
 
 class StructuredOutputManager:
+    MAX_OVERRUNS = 4  # overrunning compiles past which no fresh compile pool is started
+
     def __init__(self, tokenizer, vocab_size: int, stop_token_ids: Sequence[int], timeout_s: float = 30.0,
                  max_workers: int = 2, cache_size: int = 256, closing_margin: int | None = 4):
         self.vocab_size, self.timeout_s, self.cache_size = vocab_size, timeout_s, cache_size
@@ -123,7 +132,9 @@ class StructuredOutputManager:
         self.think_end_id = tokenizer.token_to_id(THINK_END)
         self._grammars: OrderedDict[tuple, object] = OrderedDict()
         self._compiled: OrderedDict[tuple, Future] = OrderedDict()
-        self._compile_pool = ThreadPoolExecutor(max_workers, thread_name_prefix="deepinfer-grammar")
+        self.max_workers = max_workers
+        self._compile_pool = self._new_compile_pool()
+        self._compiling: dict[Future, tuple] = {}  # compile -> (its pool, its first request's deadline)
         self._fill_pool = ThreadPoolExecutor(1, thread_name_prefix="deepinfer-bitmask")
         self.num_compiles = 0
 
@@ -142,15 +153,36 @@ class StructuredOutputManager:
         """A fresh matcher state; the grammar compiles in the pool unless the cache already has it."""
         key = spec.key()
         future = self._compiled.get(key)
-        if future is None:
+        if future is None or future.cancelled():
             grammar = self.validate(spec)
-            future = self._compile_pool.submit(self.compiler.compile, grammar)
-            self.num_compiles += 1
+            future = self._submit_compile(grammar)
             self._remember(self._compiled, key, future)
         else:
             self._compiled.move_to_end(key)
         plan = ClosingPlan(self.closer, self.closing_margin) if self.closer is not None else None
         return RequestGrammar(spec, future, self.timeout_s, self.think_end_id, plan)
+
+    def _submit_compile(self, grammar) -> Future:
+        self._route_around_overruns()
+        future = self._compile_pool.submit(self.compiler.compile, grammar)
+        self._compiling[future] = (self._compile_pool, time.monotonic() + self.timeout_s)
+        future.add_done_callback(lambda f: self._compiling.pop(f, None))  # on a pool thread
+        self.num_compiles += 1
+        return future
+
+    def _route_around_overruns(self) -> None:
+        """When every thread of the pool runs a compile past its deadline (they cannot be stopped), new
+        compiles go to a fresh pool; the old one ends when its compiles do. Invariant: fewer than
+        MAX_OVERRUNS + max_workers overrunning compiles exist, so their CPU and memory stay bounded;
+        past that, new compiles queue (and fail at their own deadline)."""
+        now = time.monotonic()
+        overrunning = [pool for f, (pool, deadline) in list(self._compiling.items()) if f.running() and deadline < now]
+        if overrunning.count(self._compile_pool) >= self.max_workers and len(overrunning) < self.MAX_OVERRUNS:
+            self._compile_pool.shutdown(wait=False)
+            self._compile_pool = self._new_compile_pool()
+
+    def _new_compile_pool(self) -> ThreadPoolExecutor:
+        return ThreadPoolExecutor(self.max_workers, thread_name_prefix="deepinfer-grammar")
 
     def _remember(self, cache: OrderedDict, key: tuple, value) -> None:
         cache[key] = value

@@ -14,14 +14,39 @@ from typing import Any
 KINDS = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
 
 
+# Keywords whose values are instance data, not subschemas: a "$ref" key inside them is not a reference.
+_DATA_KEYWORDS = frozenset({"enum", "const", "default", "examples"})
+# Keywords mapping names to subschemas: a name there (even "enum" or "$ref") is not a keyword.
+_SCHEMA_MAPS = frozenset({"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"})
+
+
 def check_json_schema(schema: Any) -> None:
-    """ValueError naming the problem when `schema` is not a valid JSON schema (by its meta-schema)."""
+    """ValueError naming the problem when `schema` is not a valid JSON schema (by its meta-schema) or
+    refers outside itself: only refs into the schema (`#...`, e.g. `#/$defs/x`) can be constrained."""
     import jsonschema  # only requests with a schema pay for the import
 
     try:
         jsonschema.validators.validator_for(schema).check_schema(schema)
     except jsonschema.SchemaError as e:
         raise ValueError(f"invalid JSON schema: {e.message}") from None
+    ref = _external_ref(schema)
+    if ref is not None:
+        raise ValueError(f"the JSON schema refers to {ref!r}: only refs inside the schema (starting with '#') "
+                         "are supported")
+
+
+def _external_ref(node: Any) -> str | None:
+    """The first `$ref` (or `$dynamicRef`) in a (sub)schema that does not start with '#', or None."""
+    if isinstance(node, list):
+        return next((r for r in map(_external_ref, node) if r is not None), None)
+    if not isinstance(node, dict):
+        return None
+    for key in ("$ref", "$dynamicRef"):
+        if isinstance(node.get(key), str) and not node[key].startswith("#"):
+            return node[key]
+    children = [list(v.values()) if k in _SCHEMA_MAPS and isinstance(v, dict) else v
+                for k, v in node.items() if k not in _DATA_KEYWORDS]
+    return _external_ref(children)
 
 
 @dataclass(frozen=True)
