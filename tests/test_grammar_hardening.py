@@ -140,10 +140,10 @@ def test_a_check_past_its_memory_cap_fails_in_its_worker_only():
         tok = Tokenizer.from_dir(default_model_path())
         pool = CompilePool(tok, tok.vocab_size, [tok.eos_token_id], size=1, memory_bytes=32 * 2**20)
         try:
-            assert await pool.verdict({"regex": "a"}, 60) is None
-            reason = await pool.verdict({"json": slow_schema("mem")}, 30)
+            assert await pool.verdict({"regex": "a"}, 60) == (None, 2)  # "a", then the stop token
+            reason, _ = await pool.verdict({"json": slow_schema("mem")}, 30)
             assert reason is not None and "bad_alloc" in reason
-            assert await pool.verdict({"regex": "b"}, 30) is None  # the same worker serves on
+            assert await pool.verdict({"regex": "b"}, 30) == (None, 2)  # the same worker serves on
         finally:
             pool.close()
 

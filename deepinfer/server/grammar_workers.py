@@ -2,8 +2,10 @@
 stopped: xgrammar compiles in C++ and a thread running it can be neither cancelled nor reclaimed.
 
 Invariants:
-- at most `size` workers; each runs one check at a time and answers it with a verdict (None: the spec
-  builds and compiles; else the 400's reason);
+- at most `size` workers; each runs one check at a time and answers it with a verdict: (None, closing
+  need) when the spec builds and compiles (the tokens the closing search needs from the grammar's
+  start, stop token included; None without a tokenizer or when the search found none), else
+  (the 400's reason, None);
 - a check still running at its deadline (or whose request went away) is killed with its worker
   (SIGKILL) and the worker is replaced, so no abandoned compile holds a worker, a CPU or memory;
 - a worker's address space is capped (its size once started + `memory_bytes`): a compile that needs
@@ -55,8 +57,10 @@ def _exit_with_parent() -> None:
         threading.Thread(target=lambda: (parent.join(), os._exit(0)), daemon=True).start()
 
 
-def _verdict(compiler, fields: dict[str, Any]) -> str | None:
-    """None when the spec builds (and, with a tokenizer, compiles), else the reason it does not."""
+Verdict = tuple[str | None, int | None]  # (reason it fails, or None; tokens closing needs from the start)
+
+
+def _verdict(compiler, closer, fields: dict[str, Any]) -> Verdict:
     from deepinfer.structured import backend
     from deepinfer.structured.params import StructuredOutputsParams
 
@@ -64,29 +68,33 @@ def _verdict(compiler, fields: dict[str, Any]) -> str | None:
     try:
         grammar = backend.build_grammar(spec)
     except ValueError as e:
-        return str(e)
+        return str(e), None
+    if compiler is None:
+        return None, None
     try:
-        if compiler is not None:
-            compiler.compile(grammar)
+        compiled = compiler.compile(grammar)
     except Exception as e:  # xgrammar's errors, ours (an empty language), or running out of memory
-        return f"the {spec.kind} constraint failed to compile: {backend.reason(e)}"
-    return None
+        return f"the {spec.kind} constraint failed to compile: {backend.reason(e)}", None
+    closing = closer.closing(backend.new_matcher(compiled))
+    return None, None if closing is None else len(closing) + 1
 
 
 def _serve(conn, tokenizer, vocab_size: int, stop_token_ids: list[int], memory_bytes: int) -> None:
     """Worker main: tokenizer info once, then one verdict per spec received, until the pipe closes."""
     _exit_with_parent()
     from deepinfer.structured import backend
+    from deepinfer.structured.closing import closer_for
 
-    compiler = None  # no tokenizer: only building is checked (the engine answers the rest)
+    compiler = closer = None  # no tokenizer: only building is checked (the engine answers the rest)
     if tokenizer is not None:
         info = backend.tokenizer_info(tokenizer, vocab_size, stop_token_ids)
         compiler = backend.Compiler(info, cache_bytes=CACHE_BYTES)
+        closer = closer_for(tokenizer, info, vocab_size, stop_token_ids)
     _limit_memory(memory_bytes)
     conn.send(READY)
     with contextlib.suppress(EOFError, KeyboardInterrupt):
         while True:
-            conn.send(_verdict(compiler, conn.recv()))
+            conn.send(_verdict(compiler, closer, conn.recv()))
 
 
 # --- the API side -----------------------------------------------------------------------------------
@@ -101,7 +109,7 @@ class _Worker:
         self.proc.start()  # blocking (it talks to the fork server): called in a thread
         child.close()
 
-    async def ask(self, fields: dict[str, Any], timeout_s: float) -> str | None:
+    async def ask(self, fields: dict[str, Any], timeout_s: float) -> Verdict:
         """The worker's verdict on one spec; TimeoutError past timeout_s, WorkerGone if it exited."""
         try:
             self.conn.send(fields)
@@ -153,7 +161,7 @@ class CompilePool:
         self._failure: str | None = None
         self.closed = False
 
-    async def verdict(self, fields: dict[str, Any], timeout_s: float) -> str | None:
+    async def verdict(self, fields: dict[str, Any], timeout_s: float) -> Verdict:
         """A worker's verdict on the spec. The time limit covers waiting for a free worker and the check,
         not the pool's first start (importing xgrammar takes seconds); TimeoutError past it."""
         await self._wait_started()

@@ -489,7 +489,7 @@ class Serving:
         for p in prompts:
             self._check_prompt(p.token_ids, req.max_tokens)
         spec = request_spec(req, thinking=False)
-        await check_spec(spec, self.grammar_checker, self.settings.grammar_timeout_s)
+        await check_spec(spec, self.grammar_checker, self.settings.grammar_timeout_s, max_tokens=req.max_tokens)
         params = self.sampling_params(req, req.max_tokens, echo_logprobs=req.echo and req.logprobs is not None,
                                       structured=spec)
         job = Job(self, f"cmpl-{uuid.uuid4().hex}", prompts, params, req.priority, req.stream,
@@ -503,7 +503,8 @@ class Serving:
         except ValueError as e:
             raise bad_request(f"the tools cannot be constrained: {e}", param="tools") from None
         spec = request_spec(req, thinking, forced)
-        await check_spec(spec, self.grammar_checker, self.settings.grammar_timeout_s, "tools" if forced else None)
+        await check_spec(spec, self.grammar_checker, self.settings.grammar_timeout_s, "tools" if forced else None,
+                         max_tokens)
         return self.sampling_params(req, max_tokens, structured=spec)
 
     def _completion_prompts(self, prompt, add_special_tokens: bool = True) -> list[Prompt]:

@@ -9,7 +9,7 @@ import hashlib
 from collections import OrderedDict
 
 from deepinfer.server.errors import bad_request
-from deepinfer.server.grammar_workers import CompilePool, WorkerGone
+from deepinfer.server.grammar_workers import CompilePool, Verdict, WorkerGone
 from deepinfer.structured.params import StructuredOutputsParams
 
 _GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
@@ -72,24 +72,28 @@ class GrammarChecker:
 
     def __init__(self, tokenizer, vocab_size: int, stop_token_ids: list[int], workers: int = 2):
         self.pool = CompilePool(tokenizer, vocab_size, stop_token_ids, size=workers)
-        self._verdicts: OrderedDict[bytes, str | None] = OrderedDict()  # spec key digest -> reason or None
+        self._verdicts: OrderedDict[bytes, Verdict] = OrderedDict()  # spec key digest -> verdict
 
-    async def check(self, spec: StructuredOutputsParams, timeout_s: float) -> None:
-        """ValueError with the reason when the spec does not build or compile; TimeoutError past timeout_s."""
+    async def check(self, spec: StructuredOutputsParams, timeout_s: float) -> int | None:
+        """The tokens the closing search needs from the grammar's start (stop token included; None: not
+        known); ValueError with the reason when the spec does not build or compile; TimeoutError past
+        timeout_s."""
         key = hashlib.sha256(repr(spec.key()).encode()).digest()
         if key not in self._verdicts:
             self._remember(key, await self._verdict(spec, timeout_s))
         self._verdicts.move_to_end(key)
-        if self._verdicts[key] is not None:
-            raise ValueError(self._verdicts[key])
+        reason, need = self._verdicts[key]
+        if reason is not None:
+            raise ValueError(reason)
+        return need
 
-    async def _verdict(self, spec: StructuredOutputsParams, timeout_s: float) -> str | None:
+    async def _verdict(self, spec: StructuredOutputsParams, timeout_s: float) -> Verdict:
         try:
             return await self.pool.verdict(spec.to_dict(), timeout_s)
         except WorkerGone as e:  # not remembered: the crash may have been the machine's, not the spec's
             raise ValueError(f"the {spec.kind} constraint failed to compile: {e}") from None
 
-    def _remember(self, key: bytes, verdict: str | None) -> None:
+    def _remember(self, key: bytes, verdict: Verdict) -> None:
         self._verdicts[key] = verdict
         while len(self._verdicts) > self.CACHE_ENTRIES:
             self._verdicts.popitem(last=False)
@@ -99,14 +103,18 @@ class GrammarChecker:
 
 
 async def check_spec(spec: StructuredOutputsParams | None, check: GrammarChecker, timeout_s: float,
-                     param: str | None = None) -> None:
+                     param: str | None = None, max_tokens: int | None = None) -> None:
     """A bad schema / regex / grammar, or one that does not compile within `timeout_s`, is a 400 with the
-    reason (the compile is killed at the limit)."""
+    reason (the compile is killed at the limit); so is a `max_tokens` below what finishing the constraint
+    needs from its start (the closing search's count: deepinfer/structured/closing.py)."""
     if spec is None:
         return
     try:
-        await check.check(spec, timeout_s)
+        need = await check.check(spec, timeout_s)
     except ValueError as e:
         raise bad_request(str(e), param=param) from None
     except asyncio.TimeoutError:
         raise bad_request(f"the {spec.kind} constraint did not compile within {timeout_s:g} s", param=param) from None
+    if need is not None and max_tokens is not None and max_tokens < need:
+        raise bad_request(f"max_tokens {max_tokens} cannot hold an output of the {spec.kind} constraint: the "
+                          f"shortest one found needs {need} tokens (the stop token included)", param="max_tokens")

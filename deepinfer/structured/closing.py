@@ -4,13 +4,14 @@ rule that keeps a constrained output finishable within its remaining token budge
 Invariants:
 - `Closer.closing(matcher)` never changes `matcher`; the tokens it returns, accepted in order, complete the
   grammar (they were accepted by a fork of it), and the stop token is allowed after them;
-- `ClosingPlan.row` forces the first closing token exactly when the remaining budget (stop token included)
+- `ClosingPlan.forced` forces the first closing token exactly when the remaining budget (stop token included)
   is within `margin` tokens of what closing needs, so a request that enters that window with enough budget
   ends with a complete output and its stop token, never by length.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 # Characters tried first when searching for a completion: closers, then what ends a value soonest.
@@ -19,6 +20,13 @@ MAX_CLOSING_CHARS = 256  # longest completion searched for (characters)
 NODE_BUDGET = 384  # matcher states one search may visit (the priority order rarely needs to backtrack)
 FAR = 48  # tokens beyond need + margin where the closing is not rechecked every step
 RECHECK = 8  # far from the end, recheck every this many tokens
+SHARED_CLOSINGS = 256  # grammars whose initial-state closing is kept
+
+
+def closer_for(tokenizer, info, vocab_size: int, stop_token_ids: list[int]) -> Closer:
+    """The Closer of a served tokenizer and its xgrammar TokenizerInfo (added tokens are markers)."""
+    markers = tokenizer.inner.get_added_tokens_decoder()  # grammars may require these as whole tokens
+    return Closer(info.decoded_vocab, vocab_size, list(stop_token_ids), [i for i in markers if i < vocab_size])
 
 
 class Closer:
@@ -43,9 +51,11 @@ class Closer:
         # search order: closers, then markers (whole added tokens: a grammar may require one), then bytes
         self.steps = first + specials + rest
         self.special = frozenset(specials)
-        steps = torch.tensor(self.steps, dtype=torch.int64)
-        self._words, self._shifts = steps // 32, (steps % 32).to(torch.int32)
-        self._mask: torch.Tensor | None = None  # one reusable bitmask row (a Closer serves one thread)
+        steps = np.array(self.steps, dtype=np.int64)
+        self._words, self._shifts = steps // 32, (steps % 32).astype(np.int32)
+        # one reusable bitmask row and its numpy view (a Closer serves one thread at a time)
+        self._mask = torch.zeros(1, (vocab_size + 31) // 32, dtype=torch.int32)
+        self._mask_np = self._mask.numpy()[0]
 
     # --- search ------------------------------------------------------------------------------------
     def closing(self, matcher) -> list[int] | None:
@@ -53,23 +63,25 @@ class Closer:
         None when the search finds no completion within its bounds."""
         if matcher.is_completed():
             return []
-        path = self._search(matcher, [], [NODE_BUDGET])
+        path = self._search(matcher.fork(), [], [NODE_BUDGET])
         return None if path is None else self._pack(matcher, path)
 
     def _search(self, m, path: list[int], budget: list[int]) -> list[int] | None:
-        """Depth-first over single-byte (and marker) tokens in priority order, forced text first; the
-        first completion found. `m` is never changed (children are forks)."""
+        """Depth-first over single-byte (and marker) tokens in priority order, forced text first; the first
+        completion found. On return `m` has accepted `path` (on failure: nothing more than on entry)."""
         if m.is_completed():
             return path
         if len(path) >= MAX_CLOSING_CHARS or budget[0] <= 0:
             return None
         for token in self._candidates(m):
             budget[0] -= 1
-            child = m.fork()
-            if child.accept_token(token):
-                found = self._search(child, [*path, token], budget)
-                if found is not None:
-                    return found
+            if not m.accept_token(token):
+                continue
+            path.append(token)
+            if self._search(m, path, budget) is not None:
+                return path
+            path.pop()
+            m.rollback(1)
         return None
 
     def _candidates(self, m) -> list[int]:
@@ -77,14 +89,9 @@ class Closer:
         forced = m.find_jump_forward_string().encode("utf-8", "surrogatepass")
         if forced and forced[0] in self.byte_token:
             return [self.byte_token[forced[0]]]
-        return [t for t, ok in zip(self.steps, self._allowed_steps(m)) if ok]
-
-    def _allowed_steps(self, m) -> list[int]:
-        """1 / 0 per search step: whether the grammar allows it next."""
-        if self._mask is None:
-            self._mask = torch.zeros(1, (self.vocab_size + 31) // 32, dtype=torch.int32)
         m.fill_next_token_bitmask(self._mask, 0)
-        return ((self._mask[0][self._words] >> self._shifts) & 1).tolist()
+        allowed = ((self._mask_np[self._words] >> self._shifts) & 1).tolist()
+        return [t for t, ok in zip(self.steps, allowed) if ok]
 
     def _pack(self, matcher, path: list[int]) -> list[int] | None:
         """The closing path in as few tokens as possible: byte runs become the longest vocabulary pieces
@@ -139,16 +146,19 @@ class ClosingPlan:
     Far from the end (remaining > need + margin + FAR) the closing is rechecked only every RECHECK tokens:
     a closing need growing by more than FAR - RECHECK tokens within RECHECK tokens is not expected. After a
     failed search (no completion within the search's bounds) the next one waits until the remaining budget
-    halved, so a grammar that cannot close soon costs O(log max_tokens) searches, not one per token."""
+    halved (at least 16 tokens later), so a grammar that cannot close soon costs a few searches per request,
+    not one per token. Samples of one grammar share the closing of its initial state (`shared`)."""
 
-    def __init__(self, closer: Closer, margin: int):
+    def __init__(self, closer: Closer, margin: int, shared: dict | None = None, key=None):
         self.closer, self.margin = closer, margin
         self.tokens: list[int] | None = None
         self.recheck_below: int | None = None  # skip every check while remaining is above this
+        self._shared, self._key = (shared if shared is not None else {}), key
 
-    def need(self, matcher) -> int | None:
-        """Tokens closing needs from the matcher's state, the stop token included (None: no way found)."""
-        tokens = self._current(matcher)
+    def need(self, matcher, at_start: bool = False) -> int | None:
+        """Tokens closing needs from the matcher's state, the stop token included (None: no way found).
+        `at_start`: the matcher is in the grammar's initial state (nothing fed yet)."""
+        tokens = self._initial(matcher) if at_start else self._current(matcher)
         return None if tokens is None else len(tokens) + 1
 
     def _current(self, matcher) -> list[int] | None:
@@ -159,14 +169,23 @@ class ClosingPlan:
         self.tokens = self.closer.closing(matcher)
         return self.tokens
 
-    def forced(self, matcher, remaining: int) -> list[int] | None:
+    def _initial(self, matcher) -> list[int] | None:
+        if self._key not in self._shared or (self._shared[self._key] is not None
+                                              and not Closer.still_closes(matcher, self._shared[self._key])):
+            self._shared[self._key] = self.closer.closing(matcher)
+            while len(self._shared) > SHARED_CLOSINGS:  # oldest first; only the fill thread writes it
+                self._shared.pop(next(iter(self._shared)))
+        self.tokens = self._shared[self._key]
+        return self.tokens
+
+    def forced(self, matcher, remaining: int, at_start: bool = False) -> list[int] | None:
         """The token ids allowed now when closing must start (`remaining` tokens may still be generated,
         this one included), else None (the grammar's own mask applies)."""
         if self.recheck_below is not None and remaining > self.recheck_below:
             return None
-        need = self.need(matcher)
+        need = self.need(matcher, at_start)
         if need is None:
-            self.recheck_below = remaining // 2
+            self.recheck_below = remaining - max(16, remaining // 2)
             return None
         self.recheck_below = remaining - RECHECK if remaining > need + self.margin + FAR else None
         if remaining > need + self.margin or remaining < need:

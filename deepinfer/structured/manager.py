@@ -31,7 +31,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 from deepinfer.structured import backend
-from deepinfer.structured.closing import Closer, ClosingPlan
+from deepinfer.structured.closing import ClosingPlan, closer_for
 from deepinfer.structured.params import StructuredOutputsParams
 
 logger = logging.getLogger("deepinfer")
@@ -74,6 +74,11 @@ class RequestGrammar:
     def constrains_next(self) -> bool:
         """The next sampled token must be masked."""
         return self.gate is not None and self.ready() and self.error is None and not self.matcher.is_terminated()
+
+    @property
+    def num_fed(self) -> int | None:
+        """Tokens the matcher has accepted (None while the reasoning gate is closed)."""
+        return None if self.gate is None else self.num_observed - self.gate
 
     @property
     def terminated(self) -> bool:
@@ -125,10 +130,9 @@ class StructuredOutputManager:
         info = backend.tokenizer_info(tokenizer, vocab_size, list(stop_token_ids))
         self.compiler = backend.Compiler(info, max_threads=max_workers)
         # closing searches run on the fill thread only (a Closer holds one scratch bitmask)
-        markers = tokenizer.inner.get_added_tokens_decoder()  # grammars may require these as whole tokens
-        self.closer = None if closing_margin is None else Closer(info.decoded_vocab, vocab_size, list(stop_token_ids),
-                                                                 [i for i in markers if i < vocab_size])
+        self.closer = None if closing_margin is None else closer_for(tokenizer, info, vocab_size, list(stop_token_ids))
         self.closing_margin = closing_margin
+        self._initial_closings: dict[tuple, list[int] | None] = {}  # spec key -> closing of the initial state
         self.think_end_id = tokenizer.token_to_id(THINK_END)
         self._grammars: OrderedDict[tuple, object] = OrderedDict()
         self._compiled: OrderedDict[tuple, Future] = OrderedDict()
@@ -159,7 +163,8 @@ class StructuredOutputManager:
             self._remember(self._compiled, key, future)
         else:
             self._compiled.move_to_end(key)
-        plan = ClosingPlan(self.closer, self.closing_margin) if self.closer is not None else None
+        plan = None if self.closer is None else ClosingPlan(self.closer, self.closing_margin, self._initial_closings,
+                                                            key)
         return RequestGrammar(spec, future, self.timeout_s, self.think_end_id, plan)
 
     def _submit_compile(self, grammar) -> Future:
@@ -235,7 +240,9 @@ def _fill_rows(grammar: RequestGrammar, drafts: list[int], bitmask: torch.Tensor
 
 
 def _fill_row(grammar: RequestGrammar, bitmask: torch.Tensor, row: int, remaining: int) -> None:
-    forced = grammar.closing.forced(grammar.matcher, remaining) if grammar.closing is not None else None
+    """One mask row: the grammar's, or only the next closing token near the end of the budget."""
+    plan = grammar.closing
+    forced = None if plan is None else plan.forced(grammar.matcher, remaining, at_start=grammar.num_fed == 0)
     if forced is None:
         grammar.matcher.fill_next_token_bitmask(bitmask, row)
         return
