@@ -54,11 +54,12 @@ def model_path(args: argparse.Namespace) -> str | None:
 def settings_from(args: argparse.Namespace, path: Path, bundled: bool) -> ServerSettings:
     name = args.served_model_name or (BUNDLED_MODEL_NAME if bundled else path.name)
     api_key = args.api_key if args.api_key is not None else os.environ.get("DEEPINFER_API_KEY") or None
-    for flag in ("max_queue", "max_n", "max_body_bytes"):
-        if getattr(args, flag) < 1:
+    share = getattr(args, "max_request_seqs", None)
+    for flag in ("max_queue", "max_n", "max_body_bytes", "max_request_seqs"):
+        if getattr(args, flag, None) is not None and getattr(args, flag) < 1:
             raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
     return ServerSettings(model_name=name, api_key=api_key, max_queue=args.max_queue, max_n=args.max_n,
-                          max_body_bytes=args.max_body_bytes,
+                          max_body_bytes=args.max_body_bytes, max_request_seqs=share,
                           grammar_timeout_s=getattr(args, "grammar_compile_timeout_s", 30.0))
 
 
