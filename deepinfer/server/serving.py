@@ -319,11 +319,20 @@ class Job:
         return Choice(index, detok, [] if self.params.logprobs is not None else None, reasoning, tools)
 
     async def updates(self) -> AsyncIterator[Update]:
-        async with contextlib.aclosing(_merge([g.updates() for g in self.generations])) as merged:
-            async for update in merged:
-                self._observe(update)
-                yield update
+        try:
+            async with contextlib.aclosing(_merge([g.updates() for g in self.generations])) as merged:
+                async for update in merged:
+                    self._observe(update)
+                    yield update
+        except (GeneratorExit, asyncio.CancelledError):
+            self._abandon()  # the client left (or the drain ran out): its open choices were aborted
+            raise
         self.timer.on_done()
+
+    def _abandon(self) -> None:
+        for choice in self.choices:
+            if not choice.finished:
+                self.timer.on_finish("abort")
 
     def _observe(self, update: Update) -> None:
         if update.num_tokens:
