@@ -474,10 +474,10 @@ class Serving:
         vocab = self.client.ready.vocab_size
         if not ids:
             raise bad_request("the prompt is empty", param="prompt")
+        self._check_length(len(ids), max_tokens)  # first: cheap, and bounds the scan below
         bad = next((t for t in ids if not 0 <= t < vocab), None)
         if bad is not None:
             raise bad_request(f"token id {bad} is outside the vocabulary [0, {vocab})", param="prompt")
-        self._check_length(len(ids), max_tokens)
 
     def _check_length(self, n: int, max_tokens: int | None) -> None:
         limit = self.max_model_len
