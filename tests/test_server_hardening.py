@@ -52,6 +52,19 @@ def test_admission_counts_sequences_and_caps_one_request():
     assert Admission(limit=4, retry_after_s=1, per_request=99).per_request == 4  # never over the queue
 
 
+def test_max_request_seqs_flag(tmp_path):
+    from deepinfer import cli
+    from deepinfer.server import launch
+
+    def settings(*flags):
+        return launch.settings_from(cli.build_parser().parse_args(["serve", str(tmp_path), *flags]), tmp_path, False)
+
+    assert settings("--max-queue", "8").max_request_seqs is None  # the Admission default: a quarter
+    assert settings("--max-request-seqs", "3").max_request_seqs == 3
+    with pytest.raises(ValueError, match="--max-request-seqs"):
+        settings("--max-request-seqs", "0")
+
+
 def _fake_app(dead: bool = False):
     client = SimpleNamespace(dead=dead, dead_reason="the engine process exited", closed=False,
                              ready=SimpleNamespace(max_model_len=64, vocab_size=100), stats=lambda: None)
