@@ -311,6 +311,9 @@ def _add_serve_parser(commands) -> None:
                           "the bundled model)")
     sub.add_argument("--max-queue", type=int, default=512,
                      help="in-flight requests before new ones get 429 (default: %(default)s)")
+    sub.add_argument("--max-request-seqs", type=int, default=None, metavar="N",
+                     help="largest prompts x n of one request, at most --max-queue (default: a quarter of "
+                          "--max-queue, at least 1)")
     sub.add_argument("--drain-timeout", type=float, default=30.0,
                      help="seconds in-flight requests may run after SIGTERM (default: %(default)s)")
     sub.add_argument("--max-n", type=int, default=16, help="largest n per request (default: %(default)s)")

@@ -1,8 +1,10 @@
 """The FastAPI application: routes, the request gate (API key, body size) and error handlers.
 
-Invariant: /v1/* is reachable only with `Authorization: Bearer <key>` for one of the keys, when keys are set,
-and such a request carries its key's namespace in `request.state.tenant`; no request body larger than
-max_body_bytes reaches a route (413 before any parsing).
+Invariant: /v1/*, /tokenize, /detokenize and /reset_prefix_cache are reachable only with
+`Authorization: Bearer <key>` for one of the keys, when keys are set, and such a request carries its key's
+namespace in `request.state.tenant`; no request body larger than max_body_bytes reaches a route (413
+before any parsing); while the queue is full, a generation request gets its 429 before its body is
+parsed, templated or tokenised.
 """
 
 from __future__ import annotations
@@ -22,7 +24,10 @@ from deepinfer.server.errors import APIError, install_error_handlers
 from deepinfer.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from deepinfer.server.serving import Serving
 
-_GUARDED = ("/v1", "/reset_prefix_cache")  # paths that need the API key when one is set
+# Paths that need the API key when one is set: everything that does model work. /health stays open for
+# probes, /metrics for scrapers, /version (no model work) as a documented choice.
+_GUARDED = ("/v1", "/tokenize", "/detokenize", "/reset_prefix_cache")
+_GENERATING = ("/v1/completions", "/v1/chat/completions")  # routes that need a queue slot
 
 
 def key_namespace(api_key: str) -> str:
@@ -31,11 +36,12 @@ def key_namespace(api_key: str) -> str:
 
 
 class Gate:
-    """Pure ASGI middleware (keeps `receive` intact for disconnect detection): API key on /v1/*,
-    then the body is read up to the size limit and replayed to the application."""
+    """Pure ASGI middleware (keeps `receive` intact for disconnect detection): API key on guarded paths,
+    then the body is read up to the size limit and replayed to the application; a generation request
+    that finds the queue full is answered 429 here, before any parsing (cheap under a burst)."""
 
-    def __init__(self, app, api_keys: tuple[str, ...], max_body_bytes: int):
-        self.app, self.max_body_bytes = app, max_body_bytes
+    def __init__(self, app, api_keys: tuple[str, ...], max_body_bytes: int, admission=None):
+        self.app, self.max_body_bytes, self.admission = app, max_body_bytes, admission
         self.tenants = {b"Bearer " + key.encode(): key_namespace(key) for key in api_keys}  # header -> namespace
 
     async def __call__(self, scope, receive, send) -> None:
@@ -44,6 +50,8 @@ class Gate:
         error = self._check_headers(scope)
         if error is None:
             body, error = await self._read_body(receive)
+        if error is None and self._queue_full(scope):
+            error = self.admission.busy()
         if error is not None:
             return await error.response()(scope, receive, send)
         await self.app(scope, _replay(body, receive), send)
@@ -68,6 +76,10 @@ class Gate:
             if hmac.compare_digest(given, expected):
                 found = tenant
         return found
+
+    def _queue_full(self, scope) -> bool:
+        """A pre-check only: the route still admits by the request's own size (prompts x n)."""
+        return self.admission is not None and scope["path"] in _GENERATING and self.admission.full
 
     async def _read_body(self, receive) -> tuple[bytes, APIError | None]:
         chunks, size = [], 0
@@ -106,7 +118,8 @@ def build_app(serving: Serving) -> FastAPI:
     app.state.started = int(time.time())
     install_error_handlers(app)
     schemas.install_openapi(app)
-    app.add_middleware(Gate, api_keys=serving.settings.api_keys, max_body_bytes=serving.settings.max_body_bytes)
+    app.add_middleware(Gate, api_keys=serving.settings.api_keys, max_body_bytes=serving.settings.max_body_bytes,
+                       admission=serving.admission)
     _add_openai_routes(app, serving)
     _add_service_routes(app, serving)
     return app
@@ -144,11 +157,11 @@ def _add_service_routes(app: FastAPI, serving: Serving) -> None:
 
     @app.post("/tokenize", **schemas.route(schemas.TokenizeResponse, *schemas.TOKENIZER_ERRORS))
     async def tokenize(body: TokenizeRequest) -> dict:
-        return serving.tokenize(body)
+        return await serving.tokenize(body)
 
     @app.post("/detokenize", **schemas.route(schemas.DetokenizeResponse, *schemas.TOKENIZER_ERRORS))
     async def detokenize(body: DetokenizeRequest) -> dict:
-        return serving.detokenize(body)
+        return await serving.detokenize(body)
 
     @app.post("/reset_prefix_cache", **schemas.route(schemas.StatusResponse, 401, 413, 500, 503))
     async def reset_prefix_cache() -> dict:

@@ -167,6 +167,14 @@ class AsyncEngineClient:
             self._finish_stream(stream, "abort", None)
         self._post(AbortRequest([request_id]))
 
+    def abort_all(self) -> None:
+        """Abort every open request (the drain ran out): each open generator ends with "abort" outputs."""
+        ids = list(self._streams)
+        for stream in self._streams.values():
+            self._finish_stream(stream, "abort", None)
+        if ids:
+            self._post(AbortRequest(ids))
+
     def abort_sample(self, request_id: str, index: int) -> None:
         """Stop one sample of an n > 1 request (its choice ended on a stop string); the stream goes on
         with the other samples and ends when they do."""

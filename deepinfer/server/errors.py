@@ -18,7 +18,7 @@ logger = logging.getLogger("deepinfer")
 _TYPES = {401: "authentication_error", 404: "not_found_error", 429: "rate_limit_error",
           500: "server_error", 503: "server_error"}
 _CODES = {401: "invalid_api_key", 404: "not_found", 405: "method_not_allowed", 413: "request_too_large",
-          429: "queue_full", 500: "internal_error", 503: "engine_unavailable"}
+          429: "queue_full", 500: "internal_error", 503: "engine_dead"}  # every 503: the engine process is gone
 
 
 class APIError(Exception):

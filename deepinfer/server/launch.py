@@ -5,9 +5,10 @@ Lifecycle invariants:
   loaded) but listens only once the engine reported ready, so any answered /health means the server can
   generate;
 - SIGTERM / SIGINT: uvicorn stops accepting connections and lets in-flight requests finish for up to
-  --drain-timeout seconds (then cancels them, which aborts their engine requests); the engine is shut
-  down afterwards (the grammar-check workers are killed first, so an overrunning compile never delays
-  the exit) and the exit status is 0;
+  --drain-timeout seconds; then every engine request still open is aborted, so each unfinished choice
+  ends with finish_reason "abort" (a last chunk and [DONE] in streams), and only what has not ended
+  ABORT_GRACE_S later is cancelled; the engine is shut down afterwards (the grammar-check workers are
+  killed first, so an overrunning compile never delays the exit) and the exit status is 0;
 - engine death: /health answers 503 at once, in-flight requests end with an error, and after a short
   grace the server shuts down and the process exits with EXIT_ENGINE_DEAD, so a supervisor restarts it.
 """
@@ -41,6 +42,7 @@ EXIT_STARTUP_FAILED = 1
 BUNDLED_MODEL_NAME = "deepinfer-default"
 DEAD_ENGINE_GRACE_S = 1.0  # time for in-flight requests to send their errors (and /health its 503)
 DEAD_ENGINE_DRAIN_S = 2.0  # cap on the drain once the engine is gone: nothing can finish normally
+ABORT_GRACE_S = 2.0  # after the drain's aborts: time for the responses to send their last chunks
 _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
@@ -60,11 +62,12 @@ def settings_from(args: argparse.Namespace, path: Path, bundled: bool) -> Server
     isolation = getattr(args, "prefix_cache_isolation", "none")
     if isolation == "key" and not api_keys:
         raise ValueError("--prefix-cache-isolation key needs at least one --api-key (or $DEEPINFER_API_KEY)")
-    for flag in ("max_queue", "max_n", "max_body_bytes"):
-        if getattr(args, flag) < 1:
+    share = getattr(args, "max_request_seqs", None)
+    for flag in ("max_queue", "max_n", "max_body_bytes", "max_request_seqs"):
+        if getattr(args, flag, None) is not None and getattr(args, flag) < 1:
             raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
     return ServerSettings(model_name=name, api_keys=api_keys, max_queue=args.max_queue, max_n=args.max_n,
-                          max_body_bytes=args.max_body_bytes,
+                          max_body_bytes=args.max_body_bytes, max_request_seqs=share,
                           grammar_timeout_s=engine_kwargs(args)["grammar_compile_timeout_s"],
                           prefix_cache_isolation=isolation)
 
@@ -119,7 +122,7 @@ async def _serve(args, sock: socket.socket, model: str, engine_kwargs: dict, set
     serving = None
     try:
         serving = Serving(client, tokenizer, settings, Metrics(client.stats))
-        server = uvicorn.Server(_uvicorn_config(args, build_app(serving)))
+        server = _DrainingServer(_uvicorn_config(args, build_app(serving)), client, args.drain_timeout)
         watcher = asyncio.create_task(_stop_when_engine_dies(client, server))
         with _signals_absorbed():
             await server.serve(sockets=[sock])
@@ -133,7 +136,28 @@ async def _serve(args, sock: socket.socket, model: str, engine_kwargs: dict, set
 
 def _uvicorn_config(args, app) -> uvicorn.Config:
     return uvicorn.Config(app, host=args.host, port=args.port, lifespan="off", access_log=args.access_log,
-                          timeout_graceful_shutdown=args.drain_timeout, log_level=args.log_level)
+                          timeout_graceful_shutdown=args.drain_timeout + ABORT_GRACE_S, log_level=args.log_level)
+
+
+class _DrainingServer(uvicorn.Server):
+    """uvicorn's server whose drain ends by aborting the engine requests still open, so their responses
+    end normally with finish_reason "abort" before uvicorn's own timeout would cancel them mid-write."""
+
+    def __init__(self, config: uvicorn.Config, client: AsyncEngineClient, drain_s: float):
+        super().__init__(config)
+        self.client, self.drain_s = client, drain_s
+
+    async def shutdown(self, sockets=None) -> None:
+        aborter = asyncio.create_task(self._abort_after(self.drain_s))
+        try:
+            await super().shutdown(sockets)
+        finally:
+            aborter.cancel()
+
+    async def _abort_after(self, seconds: float) -> None:
+        await asyncio.sleep(seconds)
+        logger.warning("drain timeout: aborting the requests still running")
+        self.client.abort_all()
 
 
 async def _stop_when_engine_dies(client: AsyncEngineClient, server: uvicorn.Server) -> None:

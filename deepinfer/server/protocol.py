@@ -1,6 +1,8 @@
 """Request bodies of the OpenAI-compatible API (pydantic), plus vLLM's sampling extensions.
 
-Invariants: unknown fields are ignored (as vLLM does); floats are finite (NaN / Infinity are rejected
+Invariants: unknown fields are ignored (as vLLM does); values are never coerced across JSON types
+(strict mode: `"stream": "yes"` or `"n": "2"` is a 400 naming the field, as OpenAI answers; an integer
+is still a valid float, so `"temperature": 1` works); floats are finite (NaN / Infinity are rejected
 at parsing, so they never reach the sampler); every integer that travels to the engine is bounded
 so it fits the wire format. Semantic checks (ranges of temperature, top_p, ...) stay in
 SamplingParams, whose ValueError the server answers with 400.
@@ -20,7 +22,7 @@ MAX_LOGPROBS = 20  # OpenAI's limit for top_logprobs; vLLM's default max_logprob
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False, strict=True)
 
 
 class StreamOptions(_Body):
@@ -51,7 +53,7 @@ class ChatMessage(_Body):
 
 
 class JsonSchemaFormat(_Body):
-    model_config = ConfigDict(extra="ignore", allow_inf_nan=False, populate_by_name=True)
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False, strict=True, populate_by_name=True)
     name: str | None = None
     description: str | None = None
     schema_: dict[str, Any] | bool | None = Field(None, alias="schema")
@@ -66,7 +68,7 @@ class ResponseFormat(_Body):
 class StructuredOutputsField(_Body):
     """vLLM's `structured_outputs` extra: exactly one constraint."""
 
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, populate_by_name=True)
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True, populate_by_name=True)
     json_: dict[str, Any] | str | None = Field(None, alias="json")
     json_object: bool | None = None
     regex: str | None = None

@@ -3,8 +3,10 @@ engine streams -> choices (detokenisation, stop strings, logprobs, reasoning), a
 response / SSE chunk shapes.
 
 Invariants:
-- a request is admitted (counted against --max-queue) only after it validated, and released exactly
-  once, when its response finished or was abandoned (GuardedStream / `finally`);
+- a request is admitted (its prompts x n sequences counted against --max-queue) only after it validated,
+  and released exactly once, when its response finished or was abandoned (GuardedStream / `finally`);
+- text is tokenised (and chat templates rendered) off the event loop, and only once it is short enough
+  to possibly fit the context, so no input stalls /health or other streams;
 - a choice's text, token ids and logprobs only grow, and nothing is added after it finished;
 - every engine stream a request opened is closed when the request ends, however it ends (normal end,
   stop string, client disconnect, error), so the engine never keeps computing for nobody;
@@ -61,24 +63,50 @@ class ServerSettings:
     max_n: int = 16
     max_body_bytes: int = 16 * 2**20
     retry_after_s: int = 1
+    max_request_seqs: int | None = None  # prompts x n one request may hold; None: a quarter of max_queue
     grammar_timeout_s: float = 30.0  # a structured-output constraint that does not build in time is a 400
     prefix_cache_isolation: str = "none"  # "key": each API key's requests share cached prefixes only among themselves
 
 
+def default_request_share(limit: int) -> int:
+    """A quarter of the queue (at least 1): one request never keeps three quarters from other clients."""
+    return max(1, limit // 4)
+
+
 class Admission:
-    """In-flight engine requests; invariant: 0 <= count <= limit."""
+    """Engine sequences in flight (prompts x n of every admitted request).
 
-    def __init__(self, limit: int, retry_after_s: int):
+    Invariants: 0 <= count <= limit; no request holds more than `per_request` (<= limit) sequences, so
+    however large one request is, the rest of the queue stays open to the others (first come, first
+    served; nothing waits: a request that does not fit now gets 429)."""
+
+    def __init__(self, limit: int, retry_after_s: int, per_request: int | None = None):
         self.limit, self.retry_after_s, self.count = limit, retry_after_s, 0
+        self.per_request = min(per_request or default_request_share(limit), limit)
 
-    def acquire(self, k: int) -> None:
-        if k > self.limit:
-            raise bad_request(f"{k} prompts exceed the server's limit of {self.limit} in-flight requests",
-                              param="prompt")
+    @property
+    def full(self) -> bool:
+        """Not even one sequence fits: checked before a request body is parsed, so rejecting is cheap."""
+        return self.count >= self.limit
+
+    def busy(self) -> APIError:
+        return APIError(429, f"the server is at its limit of {self.limit} in-flight sequences; retry later",
+                        headers={"Retry-After": str(self.retry_after_s)})
+
+    def check_share(self, num_prompts: int, n: int) -> None:
+        if num_prompts * n > self.per_request:
+            raise bad_request(f"the request needs {num_prompts} prompts x n={n} sequences but one request may "
+                              f"hold at most {self.per_request}", param="prompt" if num_prompts > 1 else "n")
+
+    def acquire(self, num_prompts: int, n: int) -> int:
+        """Admits the request or raises (400 over its share, 429 when it does not fit now); returns the
+        sequences to release."""
+        self.check_share(num_prompts, n)
+        k = num_prompts * n
         if self.count + k > self.limit:
-            raise APIError(429, f"the server is at its limit of {self.limit} in-flight requests; retry later",
-                           headers={"Retry-After": str(self.retry_after_s)})
+            raise self.busy()
         self.count += k
+        return k
 
     def release(self, k: int) -> None:
         self.count -= k
@@ -107,6 +135,15 @@ def _encode(tokenizer, text: str, add_special_tokens: bool = True) -> list[int]:
     return tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
 
+def chars_per_token(tokenizer) -> int:
+    """A bound on the characters one token covers: twice the longest vocabulary entry (byte-level entries
+    are at least as long as the text they cover; the factor 2 leaves room for normalisers that shorten
+    text). A text longer than max_model_len times this cannot fit the context, whatever its tokens."""
+    if tokenizer is None:
+        return 1
+    return 2 * max(len(piece) for piece in tokenizer.inner.get_vocab(with_added_tokens=True))
+
+
 def _check_text_only(messages: list) -> None:
     for i, message in enumerate(messages):
         for part in message.content if isinstance(message.content, list) else ():
@@ -117,6 +154,8 @@ def _check_text_only(messages: list) -> None:
 
 def render_chat(tokenizer, messages: list, add_generation_prompt: bool, kwargs: dict | None) -> str:
     """The chat template applied to `messages`; template and input problems are the client's (400)."""
+    if not messages:
+        raise bad_request("messages must not be empty", param="messages")
     _check_text_only(messages)
     extra = {k: v for k, v in (kwargs or {}).items() if k not in _RESERVED_TEMPLATE_KWARGS}
     try:
@@ -124,6 +163,17 @@ def render_chat(tokenizer, messages: list, add_generation_prompt: bool, kwargs: 
                                              **extra)
     except (jinja2.TemplateError, TypeError, ValueError, UnicodeError) as e:
         raise bad_request(f"the chat template could not be applied: {e}", param="messages") from None
+
+
+def _prompt_list(prompt) -> list[str | list[int]]:
+    """str | list[str] | list[int] | list[list[int]] -> one text or token-id list per engine request."""
+    if isinstance(prompt, str):
+        return [prompt]
+    if not prompt:
+        raise bad_request("the prompt is empty", param="prompt")
+    if all(isinstance(t, int) for t in prompt):
+        return [prompt]
+    return list(prompt)
 
 
 # --- choices -------------------------------------------------------------------------------------
@@ -272,11 +322,20 @@ class Job:
         return Choice(index, detok, [] if self.params.logprobs is not None else None, reasoning, tools)
 
     async def updates(self) -> AsyncIterator[Update]:
-        async with contextlib.aclosing(_merge([g.updates() for g in self.generations])) as merged:
-            async for update in merged:
-                self._observe(update)
-                yield update
+        try:
+            async with contextlib.aclosing(_merge([g.updates() for g in self.generations])) as merged:
+                async for update in merged:
+                    self._observe(update)
+                    yield update
+        except (GeneratorExit, asyncio.CancelledError):
+            self._abandon()  # the client left (or the drain ran out): its open choices were aborted
+            raise
         self.timer.on_done()
+
+    def _abandon(self) -> None:
+        for choice in self.choices:
+            if not choice.finished:
+                self.timer.on_finish("abort")
 
     def _observe(self, update: Update) -> None:
         if update.num_tokens:
@@ -363,7 +422,8 @@ class Serving:
     def __init__(self, client, tokenizer, settings: ServerSettings, metrics: Metrics):
         self.client, self.tokenizer, self.settings, self.metrics = client, tokenizer, settings, metrics
         self.decoder = tokenizer if tokenizer is not None else _NoText()
-        self.admission = Admission(settings.max_queue, settings.retry_after_s)
+        self.admission = Admission(settings.max_queue, settings.retry_after_s, settings.max_request_seqs)
+        self._chars_per_token = chars_per_token(tokenizer)
         self._grammar_checker: GrammarChecker | None = None
         self._pieces: dict[int, str] = {}
 
@@ -383,6 +443,11 @@ class Serving:
     def max_model_len(self) -> int:
         return self.client.ready.max_model_len
 
+    @property
+    def max_text_chars(self) -> int:
+        """Longer texts cannot fit the context (see chars_per_token): a 400 without tokenising."""
+        return self.max_model_len * self._chars_per_token
+
     # --- checks ----------------------------------------------------------------------------------
     def check_request(self, model: str | None) -> None:
         if self.client.dead or getattr(self.client, "closed", False):
@@ -396,15 +461,31 @@ class Serving:
             raise bad_request(f"{what} needs a tokenizer, and this model has no tokenizer.json")
         return self.tokenizer
 
+    def _check_chars(self, text: str, param: str) -> None:
+        if len(text) > self.max_text_chars:
+            raise bad_request(f"the text has {len(text)} characters; at most {self.max_text_chars} can fit this "
+                              f"model's context of {self.max_model_len} tokens", param=param)
+
+    async def _tokens(self, text: str, add_special_tokens: bool = True, param: str = "prompt") -> list[int]:
+        """`text`'s token ids, encoded in a worker thread (HF tokenizers releases the GIL) once its length
+        passed the cheap bound."""
+        self._check_chars(text, param)
+        return await asyncio.to_thread(_encode, self.tokenizer, text, add_special_tokens)
+
+    async def _render(self, messages: list, add_generation_prompt: bool, kwargs: dict | None) -> str:
+        """render_chat in a worker thread: a large conversation must not stall the event loop."""
+        return await asyncio.to_thread(render_chat, self._require_tokenizer("chat"), messages,
+                                       add_generation_prompt, kwargs)
+
     def _check_prompt(self, ids: list[int], max_tokens: int | None) -> None:
         """What the engine would reject, answered here with a 400 before anything is queued."""
         vocab = self.client.ready.vocab_size
         if not ids:
             raise bad_request("the prompt is empty", param="prompt")
+        self._check_length(len(ids), max_tokens)  # first: cheap, and bounds the scan below
         bad = next((t for t in ids if not 0 <= t < vocab), None)
         if bad is not None:
             raise bad_request(f"token id {bad} is outside the vocabulary [0, {vocab})", param="prompt")
-        self._check_length(len(ids), max_tokens)
 
     def _check_length(self, n: int, max_tokens: int | None) -> None:
         limit = self.max_model_len
@@ -455,8 +536,7 @@ class Serving:
     # --- jobs ------------------------------------------------------------------------------------
     async def respond(self, request: Request, job: Job, shape: _Shape) -> Response:
         """Admit the job, then answer: SSE when streaming, else one JSON body."""
-        k = len(job.prompts)
-        self.admission.acquire(k)
+        k = self.admission.acquire(len(job.prompts), job.params.n)
         self.metrics.prompt_tokens.inc(sum(len(p.token_ids) for p in job.prompts))
         if job.stream:
             return GuardedStream(_error_events(shape.events(job)), lambda: self.admission.release(k))
@@ -469,11 +549,11 @@ class Serving:
     # --- chat ------------------------------------------------------------------------------------
     async def chat(self, req: ChatCompletionRequest, request: Request) -> Response:
         self.check_request(req.model)
-        tok = self._require_tokenizer("chat")
         tools = tool_setup(req)
         kwargs = {**(req.chat_template_kwargs or {}), **({"tools": tools.tools} if tools.active else {})}
-        text = render_chat(tok, req.messages, req.add_generation_prompt, kwargs)
-        prompt = Prompt(text, _encode(tok, text, req.add_special_tokens), thinking_enabled(text))
+        text = await self._render(req.messages, req.add_generation_prompt, kwargs)
+        prompt = Prompt(text, await self._tokens(text, req.add_special_tokens, param="messages"),
+                        thinking_enabled(text))
         self._check_prompt(prompt.token_ids, req.output_limit)
         params = await self._structured_params(req, req.output_limit, prompt.thinking, tools)
         job = Job(self, f"chatcmpl-{uuid.uuid4().hex}", [prompt], params, req.priority, req.stream, tools,
@@ -485,7 +565,11 @@ class Serving:
         self.check_request(req.model)
         if req.suffix:
             raise bad_request("suffix is not supported", param="suffix")
-        prompts = self._completion_prompts(req.prompt, req.add_special_tokens)
+        raw = _prompt_list(req.prompt)
+        self._check_limits(req)
+        self.admission.check_share(len(raw), req.n)  # before any tokenising
+        prompts = [await self._text_prompt(p, req.add_special_tokens) if isinstance(p, str) else Prompt(None, list(p))
+                   for p in raw]
         for p in prompts:
             self._check_prompt(p.token_ids, req.max_tokens)
         spec = request_spec(req, thinking=False)
@@ -507,38 +591,31 @@ class Serving:
                          max_tokens)
         return self.sampling_params(req, max_tokens, structured=spec)
 
-    def _completion_prompts(self, prompt, add_special_tokens: bool = True) -> list[Prompt]:
-        """str | list[str] | list[int] | list[list[int]] -> one Prompt per engine request; only text prompts
-        get special tokens (BOS), and only with `add_special_tokens`."""
-        if isinstance(prompt, str):
-            return [self._text_prompt(prompt, add_special_tokens)]
-        if not prompt:
+    async def _text_prompt(self, text: str, add_special_tokens: bool = True) -> Prompt:
+        """A text prompt's tokens; special tokens (BOS) only with `add_special_tokens`."""
+        self._require_tokenizer("a text prompt")
+        if not text:  # checked on the text: "" would tokenise to [BOS] alone
             raise bad_request("the prompt is empty", param="prompt")
-        if all(isinstance(t, int) for t in prompt):
-            return [Prompt(None, list(prompt))]
-        return [self._text_prompt(p, add_special_tokens) if isinstance(p, str) else Prompt(None, list(p))
-                for p in prompt]
-
-    def _text_prompt(self, text: str, add_special_tokens: bool = True) -> Prompt:
-        return Prompt(text, _encode(self._require_tokenizer("a text prompt"), text, add_special_tokens))
+        return Prompt(text, await self._tokens(text, add_special_tokens))
 
     # --- tokenize / detokenize -------------------------------------------------------------------
-    def tokenize(self, req: TokenizeRequest) -> dict[str, Any]:
+    async def tokenize(self, req: TokenizeRequest) -> dict[str, Any]:
         self.check_request(req.model)
-        tok = self._require_tokenizer("tokenize")
+        self._require_tokenizer("tokenize")
         if (req.prompt is None) == (req.messages is None):
             raise bad_request("give exactly one of prompt and messages")
         if req.messages is not None:
-            text = render_chat(tok, req.messages, req.add_generation_prompt, req.chat_template_kwargs)
-            ids = _encode(tok, text, add_special_tokens=False)
+            text = await self._render(req.messages, req.add_generation_prompt, req.chat_template_kwargs)
+            ids = await self._tokens(text, add_special_tokens=False, param="messages")
         else:
-            ids = _encode(tok, req.prompt, req.add_special_tokens)
+            ids = await self._tokens(req.prompt, req.add_special_tokens)
         return {"count": len(ids), "max_model_len": self.max_model_len, "tokens": ids}
 
-    def detokenize(self, req: DetokenizeRequest) -> dict[str, Any]:
+    async def detokenize(self, req: DetokenizeRequest) -> dict[str, Any]:
         self.check_request(req.model)
         tok = self._require_tokenizer("detokenize")
-        return {"prompt": tok.decode(req.tokens)}  # ids the tokenizer lacks decode to nothing, as in outputs
+        # ids the tokenizer lacks decode to nothing, as in outputs; a worker thread, as for encoding
+        return {"prompt": await asyncio.to_thread(tok.decode, req.tokens)}
 
     # --- token pieces ----------------------------------------------------------------------------
     def visible(self, token_id: int) -> str:
