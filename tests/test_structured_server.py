@@ -202,6 +202,42 @@ def test_unbounded_schemas_close_within_small_budgets(client, stream):
 
 
 @pytest.mark.parametrize("stream", [False, True])
+def test_generated_schemas_close_within_small_budgets(client, stream):
+    """Generated schemas (unbounded fields, nested objects) at 20 tokens over their closing need, n = 2,
+    temperature 1: every choice validates and ends with "stop"."""
+    from test_structured_budget import SCHEMAS
+
+    for i, schema in enumerate(SCHEMAS[:4]):
+        fmt = {"type": "json_schema", "json_schema": {"name": f"s{i}", "schema": schema}}
+        budget = 20 + len(json.dumps(schema)) // 8  # comfortably above the closing need of these schemas
+        if stream:
+            r = _chat(client, f"Item {i}", response_format=fmt, stream=True, temperature=1.0, seed=i,
+                      max_tokens=budget)
+            text, _, finish = _collect_stream(r)
+            outputs = [(text, finish)]
+        else:
+            r = _chat(client, f"Item {i}", response_format=fmt, n=2, temperature=1.0, seed=i, max_tokens=budget)
+            outputs = [(c.message.content, c.finish_reason) for c in r.choices]
+        for text, finish in outputs:
+            assert finish == "stop", (schema, text)
+            jsonschema.validate(json.loads(text), schema)
+
+
+def test_a_budget_below_the_closing_need_is_a_400(server):
+    fmt = {"type": "json_schema", "json_schema": {"name": "record", "schema": UNBOUNDED}}
+    for body in ({"response_format": fmt, "max_tokens": 3},
+                 {"tools": UNBOUNDED_TOOL, "tool_choice": "required", "max_completion_tokens": 5}):
+        body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], **body}
+        r = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=60)
+        assert r.status_code == 400, r.text
+        error = r.json()["error"]
+        assert error["param"] == "max_tokens" and "needs" in error["message"]
+    r = httpx.post(server.url + "/v1/completions", json={"model": "m", "prompt": "x", "max_tokens": 1,
+                                                         "structured_outputs": {"regex": "[a-z]{4}"}}, timeout=60)
+    assert r.status_code == 400 and "cannot hold" in r.json()["error"]["message"]  # 4 letters + EOS need more
+
+
+@pytest.mark.parametrize("stream", [False, True])
 def test_forced_calls_with_unbounded_arguments_close_within_the_budget(client, stream):
     for i, budget in enumerate((32, 48, 120)):
         r = _chat(client, f"Look up item {i}", tools=UNBOUNDED_TOOL, tool_choice="required", stream=stream,

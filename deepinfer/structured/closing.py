@@ -18,8 +18,7 @@ import torch
 _PRIORITY = b'"}])\'`>,:0 \n'
 MAX_CLOSING_CHARS = 256  # longest completion searched for (characters)
 NODE_BUDGET = 384  # matcher states one search may visit (the priority order rarely needs to backtrack)
-FAR = 48  # tokens beyond need + margin where the closing is not rechecked every step
-RECHECK = 8  # far from the end, recheck every this many tokens
+FAILED_RECHECK = 32  # after a failed search, the next waits at least this many tokens
 SHARED_CLOSINGS = 256  # grammars whose initial-state closing is kept
 
 
@@ -51,8 +50,8 @@ class Closer:
         # search order: closers, then markers (whole added tokens: a grammar may require one), then bytes
         self.steps = first + specials + rest
         self.special = frozenset(specials)
-        steps = np.array(self.steps, dtype=np.int64)
-        self._words, self._shifts = steps // 32, (steps % 32).astype(np.int32)
+        self._steps_np = np.array(self.steps, dtype=np.int64)
+        self._words, self._shifts = self._steps_np // 32, (self._steps_np % 32).astype(np.int32)
         # one reusable bitmask row and its numpy view (a Closer serves one thread at a time)
         self._mask = torch.zeros(1, (vocab_size + 31) // 32, dtype=torch.int32)
         self._mask_np = self._mask.numpy()[0]
@@ -63,35 +62,45 @@ class Closer:
         None when the search finds no completion within its bounds."""
         if matcher.is_completed():
             return []
-        path = self._search(matcher.fork(), [], [NODE_BUDGET])
+        try:
+            path = self._search(matcher.fork(), [], [NODE_BUDGET])
+        except _TooLong:
+            return None
         return None if path is None else self._pack(matcher, path)
 
     def _search(self, m, path: list[int], budget: list[int]) -> list[int] | None:
         """Depth-first over single-byte (and marker) tokens in priority order, forced text first; the first
-        completion found. On return `m` has accepted `path` (on failure: nothing more than on entry)."""
+        completion found. On return `m` has accepted `path` (on failure: nothing more than on entry). The
+        first path to reach MAX_CLOSING_CHARS ends the whole search (_TooLong): the closing is that long
+        along the preferred choices, and backtracking is for dead ends, not for length."""
         if m.is_completed():
             return path
-        if len(path) >= MAX_CLOSING_CHARS or budget[0] <= 0:
+        if len(path) >= MAX_CLOSING_CHARS:
+            raise _TooLong
+        if budget[0] <= 0:
             return None
-        for token in self._candidates(m):
+        forced = self._forced(m)
+        for run in [forced] if forced else ([t] for t in self._allowed(m)):
             budget[0] -= 1
-            if not m.accept_token(token):
-                continue
-            path.append(token)
-            if self._search(m, path, budget) is not None:
+            taken = _accept_all(m, run)
+            path += run[:taken]
+            if taken == len(run) and self._search(m, path, budget) is not None:
                 return path
-            path.pop()
-            m.rollback(1)
+            del path[len(path) - taken:]
+            m.rollback(taken)
         return None
 
-    def _candidates(self, m) -> list[int]:
-        """Allowed search steps in order; a forced continuation's first byte is the only candidate."""
+    def _forced(self, m) -> list[int]:
+        """Byte tokens of the continuation the grammar forces now (its jump-forward text), or []."""
         forced = m.find_jump_forward_string().encode("utf-8", "surrogatepass")
-        if forced and forced[0] in self.byte_token:
-            return [self.byte_token[forced[0]]]
+        tokens = [self.byte_token.get(b) for b in forced[:MAX_CLOSING_CHARS]]
+        return tokens[:tokens.index(None)] if None in tokens else tokens
+
+    def _allowed(self, m) -> list[int]:
+        """The search steps the grammar allows next, in search order."""
         m.fill_next_token_bitmask(self._mask, 0)
-        allowed = ((self._mask_np[self._words] >> self._shifts) & 1).tolist()
-        return [t for t, ok in zip(self.steps, allowed) if ok]
+        allowed = ((self._mask_np[self._words] >> self._shifts) & 1).astype(bool)
+        return self._steps_np[allowed].tolist()
 
     def _pack(self, matcher, path: list[int]) -> list[int] | None:
         """The closing path in as few tokens as possible: byte runs become the longest vocabulary pieces
@@ -134,6 +143,18 @@ class Closer:
         return all(m.accept_token(t) for t in tokens) and m.is_completed()
 
 
+def _accept_all(m, tokens: list[int]) -> int:
+    """Accepts `tokens` in order until one is refused; how many were accepted."""
+    for i, token in enumerate(tokens):
+        if not m.accept_token(token):
+            return i
+    return len(tokens)
+
+
+class _TooLong(Exception):
+    """A closing search reached MAX_CLOSING_CHARS."""
+
+
 def _take(m, token: int, tokens: list[int]) -> bool:
     tokens.append(token)
     return m.accept_token(token)
@@ -143,11 +164,12 @@ class ClosingPlan:
     """One sample's closing state: the cached closing tokens from its current state (refreshed when the
     output leaves them behind) and the remaining budget below which they are looked at again.
 
-    Far from the end (remaining > need + margin + FAR) the closing is rechecked only every RECHECK tokens:
-    a closing need growing by more than FAR - RECHECK tokens within RECHECK tokens is not expected. After a
-    failed search (no completion within the search's bounds) the next one waits until the remaining budget
-    halved (at least 16 tokens later), so a grammar that cannot close soon costs a few searches per request,
-    not one per token. Samples of one grammar share the closing of its initial state (`shared`)."""
+    With `slack` tokens between the remaining budget and the window (need + margin), the closing is looked
+    at again after slack // 4 tokens (every token near the window): between two looks the need would have
+    to grow by three tokens per generated token to reach past the window unseen. After a failed search (no
+    completion within the search's bounds) the next one waits until the remaining budget halved (at least
+    FAILED_RECHECK tokens), so a grammar that cannot close soon costs a few searches per request, not one per
+    token. Samples of one grammar share the closing of its initial state (`shared`)."""
 
     def __init__(self, closer: Closer, margin: int, shared: dict | None = None, key=None):
         self.closer, self.margin = closer, margin
@@ -185,9 +207,10 @@ class ClosingPlan:
             return None
         need = self.need(matcher, at_start)
         if need is None:
-            self.recheck_below = remaining - max(16, remaining // 2)
+            self.recheck_below = remaining - max(FAILED_RECHECK, remaining // 2)
             return None
-        self.recheck_below = remaining - RECHECK if remaining > need + self.margin + FAR else None
-        if remaining > need + self.margin or remaining < need:
+        slack = remaining - need - self.margin
+        self.recheck_below = remaining - slack // 4 if slack >= 4 else None
+        if slack > 0 or remaining < need:
             return None  # far from the end, or too late to close: the grammar alone decides
         return self.tokens[:1] if self.tokens else list(self.closer.stop_token_ids)
