@@ -302,11 +302,12 @@ def test_draft_masks_are_the_masks_after_each_draft(llm):
     while not (state.ready() and reference.ready()):
         time.sleep(0.01)
     ids = tok.encode('{"k": "abc"}', add_special_tokens=False)
-    req = types.SimpleNamespace(request_id="r", grammar=state)
+    budget = {"max_output_tokens": 100, "output_token_ids": []}  # far from the end: the grammar's own masks
+    req = types.SimpleNamespace(request_id="r", grammar=state, **budget)
     keys, masks = manager.fill([req], {"r": ids[:3]})
     assert keys == ["r"] * 4 and state.num_observed == 0
     for j in range(4):
-        _, expected = manager.fill([types.SimpleNamespace(request_id="r", grammar=reference)])
+        _, expected = manager.fill([types.SimpleNamespace(request_id="r", grammar=reference, **budget)])
         assert torch.equal(masks[j], expected[0])
         if j < 3:
             assert reference.accept(ids[j])
