@@ -271,6 +271,29 @@ def test_engine_compiles_past_their_deadline_do_not_wedge_later_ones():
         manager.shutdown()
 
 
+def test_a_queued_compile_shared_by_requests_waits_for_the_last_deadline():
+    """Requests for one spec share its compile: the first one's deadline fails only that request; the
+    compile is cancelled only once no request still waits for it."""
+    from deepinfer.structured.manager import StructuredOutputManager
+    from deepinfer.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_dir(default_model_path())
+    manager = StructuredOutputManager(tok, tok.vocab_size, [tok.eos_token_id], timeout_s=0.3, max_workers=1)
+    try:
+        manager._compile_pool.submit(time.sleep, 1.0)  # the only thread is busy: the compile below stays queued
+        first = manager.request_state(StructuredOutputsParams(regex="shared"))
+        time.sleep(0.2)
+        second = manager.request_state(StructuredOutputsParams(regex="shared"))
+        assert second._compiled is first._compiled
+        time.sleep(0.15)  # past the first request's deadline, not the second's
+        assert first.ready() and "did not compile" in first.error
+        assert not first._compiled.cancelled() and not second.ready()
+        time.sleep(0.2)
+        assert second.ready() and second.error is not None and second._compiled.cancelled()
+    finally:
+        manager.shutdown()
+
+
 def _wait(condition, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     while not condition():

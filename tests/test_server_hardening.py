@@ -93,6 +93,29 @@ def test_full_queue_answers_429_before_parsing_the_body():
     assert _assert_error(resp, 429)["code"] == "queue_full" and resp.headers["Retry-After"] == "1"
 
 
+def test_tokenising_runs_off_the_event_loop():
+    """A tokenisation that takes 0.6 s (under the size bound) leaves /health answering meanwhile."""
+    from deepinfer.llm import default_model_path
+
+    class SlowTokenizer(Tokenizer):
+        def encode(self, text, add_special_tokens=True):
+            time.sleep(0.6)  # holds its thread, not the event loop
+            return super().encode(text, add_special_tokens)
+
+    async def check():
+        serving, http = _fake_app()
+        serving.tokenizer = SlowTokenizer.from_dir(default_model_path())
+        async with http:
+            started = time.monotonic()
+            slow = asyncio.create_task(http.post("/tokenize", json={"prompt": "def f(): pass"}))
+            await asyncio.sleep(0.1)  # the tokenisation is under way
+            health = await http.get("/health")
+            return health.status_code, time.monotonic() - started, (await slow).status_code
+
+    health, waited, tokenized = asyncio.run(check())
+    assert (health, tokenized) == (200, 200) and waited < 0.4  # 0.6 s or more if it blocked the loop
+
+
 # --- the real server -------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):

@@ -225,13 +225,14 @@ def test_generated_schemas_close_within_small_budgets(client, stream):
 
 def test_a_budget_below_the_closing_need_is_a_400(server):
     fmt = {"type": "json_schema", "json_schema": {"name": "record", "schema": UNBOUNDED}}
-    for body in ({"response_format": fmt, "max_tokens": 3},
-                 {"tools": UNBOUNDED_TOOL, "tool_choice": "required", "max_completion_tokens": 5}):
+    for field, body in (("max_tokens", {"response_format": fmt, "max_tokens": 3}),
+                        ("max_completion_tokens", {"tools": UNBOUNDED_TOOL, "tool_choice": "required",
+                                                   "max_completion_tokens": 5})):
         body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], **body}
         r = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=60)
         assert r.status_code == 400, r.text
         error = r.json()["error"]
-        assert error["param"] == "max_tokens" and "needs" in error["message"]
+        assert error["param"] == field and "needs" in error["message"]
     r = httpx.post(server.url + "/v1/completions", json={"model": "m", "prompt": "x", "max_tokens": 1,
                                                          "structured_outputs": {"regex": "[a-z]{4}"}}, timeout=60)
     assert r.status_code == 400 and "cannot hold" in r.json()["error"]["message"]  # 4 letters + EOS need more

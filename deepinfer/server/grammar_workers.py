@@ -126,14 +126,16 @@ class _Worker:
             raise self._gone() from None
 
     def _gone(self) -> WorkerGone:
-        self.proc.join(1)
+        self.proc.join(0.05)  # it closed its pipe: it is exiting (never block the event loop for long)
         return WorkerGone(f"the compiler process exited (status {self.proc.exitcode})")
 
     def kill(self) -> None:
+        """SIGKILL; the process is reaped on a daemon thread, so the event loop never waits for a large
+        worker's memory to be freed."""
         with contextlib.suppress(OSError, ValueError):
             self.proc.kill()
-            self.proc.join(1)
             self.conn.close()
+        threading.Thread(target=self.proc.join, daemon=True, name="deepinfer-grammar-reaper").start()
 
 
 async def _readable(fd: int, timeout_s: float) -> None:

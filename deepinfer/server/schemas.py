@@ -33,13 +33,13 @@ _ERRORS = {
     401: "Missing or wrong `Authorization: Bearer` API key (only when the server has API keys)",
     404: "`model` is not the served model",
     413: "The request body exceeds --max-body-bytes",
-    429: "--max-queue requests are in flight; retry after `Retry-After` seconds",
+    429: "--max-queue sequences (prompts x n) are in flight; retry after `Retry-After` seconds",
     500: "The request failed inside the engine, or the server failed unexpectedly",
     503: "The engine process is not running",
 }
 _RETRY_AFTER = {"Retry-After": {"description": "seconds to wait before retrying", "schema": {"type": "integer"}}}
 GENERATION_ERRORS = (400, 401, 404, 413, 429, 500, 503)
-TOKENIZER_ERRORS = (400, 404, 413, 500, 503)
+TOKENIZER_ERRORS = (400, 401, 404, 413, 500, 503)  # /tokenize and /detokenize need the key too
 # One event of a stream (before OpenAPI 3.2's itemSchema, an event stream's `schema` describes each event).
 _SSE_EVENT = {"type": "object", "required": ["data"], "description": "one Server-Sent Event",
               "properties": {"data": {"type": "string", "description": (
@@ -61,7 +61,6 @@ def route(model: type[BaseModel], *errors: int, stream: bool = False) -> dict[st
         ok["description"] = "The whole answer as JSON, or with `stream: true` Server-Sent Events"
         ok["content"] = {"text/event-stream": {"schema": _SSE_EVENT}}
     return {"response_model": None, "responses": {200: ok, **error_responses(*errors)}}
-
 
 
 # --- completions and chat ------------------------------------------------------------------------

@@ -98,6 +98,13 @@ class Admission:
             raise bad_request(f"the request needs {num_prompts} prompts x n={n} sequences but one request may "
                               f"hold at most {self.per_request}", param="prompt" if num_prompts > 1 else "n")
 
+    def precheck(self, num_prompts: int, n: int) -> None:
+        """What acquire would answer now, before the request is tokenised (so a request that cannot be
+        admitted costs no tokenising or templating); acquire decides again at admission."""
+        self.check_share(num_prompts, n)
+        if self.count + num_prompts * n > self.limit:
+            raise self.busy()
+
     def acquire(self, num_prompts: int, n: int) -> int:
         """Admits the request or raises (400 over its share, 429 when it does not fit now); returns the
         sequences to release."""
@@ -549,6 +556,8 @@ class Serving:
     # --- chat ------------------------------------------------------------------------------------
     async def chat(self, req: ChatCompletionRequest, request: Request) -> Response:
         self.check_request(req.model)
+        self._check_limits(req)
+        self.admission.precheck(1, req.n)  # before any templating or tokenising
         tools = tool_setup(req)
         kwargs = {**(req.chat_template_kwargs or {}), **({"tools": tools.tools} if tools.active else {})}
         text = await self._render(req.messages, req.add_generation_prompt, kwargs)
@@ -567,7 +576,7 @@ class Serving:
             raise bad_request("suffix is not supported", param="suffix")
         raw = _prompt_list(req.prompt)
         self._check_limits(req)
-        self.admission.check_share(len(raw), req.n)  # before any tokenising
+        self.admission.precheck(len(raw), req.n)  # before any tokenising
         prompts = [await self._text_prompt(p, req.add_special_tokens) if isinstance(p, str) else Prompt(None, list(p))
                    for p in raw]
         for p in prompts:
@@ -587,8 +596,9 @@ class Serving:
         except ValueError as e:
             raise bad_request(f"the tools cannot be constrained: {e}", param="tools") from None
         spec = request_spec(req, thinking, forced)
+        budget = "max_completion_tokens" if getattr(req, "max_completion_tokens", None) is not None else "max_tokens"
         await check_spec(spec, self.grammar_checker, self.settings.grammar_timeout_s, "tools" if forced else None,
-                         max_tokens)
+                         max_tokens, budget)
         return self.sampling_params(req, max_tokens, structured=spec)
 
     async def _text_prompt(self, text: str, add_special_tokens: bool = True) -> Prompt:

@@ -8,7 +8,7 @@ import asyncio
 import hashlib
 from collections import OrderedDict
 
-from deepinfer.server.errors import bad_request
+from deepinfer.server.errors import APIError, bad_request
 from deepinfer.server.grammar_workers import CompilePool, Verdict, WorkerGone
 from deepinfer.structured.params import StructuredOutputsParams
 
@@ -103,7 +103,8 @@ class GrammarChecker:
 
 
 async def check_spec(spec: StructuredOutputsParams | None, check: GrammarChecker, timeout_s: float,
-                     param: str | None = None, max_tokens: int | None = None) -> None:
+                     param: str | None = None, max_tokens: int | None = None,
+                     budget_param: str = "max_tokens") -> None:
     """A bad schema / regex / grammar, or one that does not compile within `timeout_s`, is a 400 with the
     reason (the compile is killed at the limit); so is a `max_tokens` below what finishing the constraint
     needs from its start (the closing search's count: deepinfer/structured/closing.py)."""
@@ -115,6 +116,8 @@ async def check_spec(spec: StructuredOutputsParams | None, check: GrammarChecker
         raise bad_request(str(e), param=param) from None
     except asyncio.TimeoutError:
         raise bad_request(f"the {spec.kind} constraint did not compile within {timeout_s:g} s", param=param) from None
+    except RuntimeError as e:  # the compiler processes could not start: the server's fault, not the request's
+        raise APIError(503, f"structured outputs are unavailable: {e}") from None
     if need is not None and max_tokens is not None and max_tokens < need:
-        raise bad_request(f"max_tokens {max_tokens} cannot hold an output of the {spec.kind} constraint: the "
-                          f"shortest one found needs {need} tokens (the stop token included)", param="max_tokens")
+        raise bad_request(f"{budget_param} {max_tokens} cannot hold an output of the {spec.kind} constraint: the "
+                          f"shortest one found needs {need} tokens (the stop token included)", param=budget_param)

@@ -65,7 +65,8 @@ class RequestGrammar:
                 self.error = f"the {self.spec.kind} constraint failed to compile: {e}"
             return True
         if self._compiled.cancelled() or time.monotonic() > self.deadline:
-            self._compiled.cancel()  # still queued: it never starts (a running compile cannot be stopped)
+            if time.monotonic() > getattr(self._compiled, "deadline", 0.0):  # no sharer still waits for it
+                self._compiled.cancel()  # still queued: it never starts (a running compile cannot be stopped)
             self.error = f"the {self.spec.kind} constraint did not compile within {self.timeout_s:g} s"
             return True
         return False
@@ -163,6 +164,7 @@ class StructuredOutputManager:
             self._remember(self._compiled, key, future)
         else:
             self._compiled.move_to_end(key)
+            future.deadline = max(future.deadline, time.monotonic() + self.timeout_s)  # the latest sharer's
         plan = None if self.closer is None else ClosingPlan(self.closer, self.closing_margin, self._initial_closings,
                                                             key)
         return RequestGrammar(spec, future, self.timeout_s, self.think_end_id, plan)
@@ -170,6 +172,7 @@ class StructuredOutputManager:
     def _submit_compile(self, grammar) -> Future:
         self._route_around_overruns()
         future = self._compile_pool.submit(self.compiler.compile, grammar)
+        future.deadline = time.monotonic() + self.timeout_s  # cancelled only once every sharer's deadline passed
         self._compiling[future] = (self._compile_pool, time.monotonic() + self.timeout_s)
         future.add_done_callback(lambda f: self._compiling.pop(f, None))  # on a pool thread
         self.num_compiles += 1
