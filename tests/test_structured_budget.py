@@ -122,3 +122,27 @@ def test_sampled_outputs_close_within_small_budgets(llm, manager, slack):
                 assert c.finish_reason == "stop", (schema, budget, c.text)
                 jsonschema.validate(json.loads(c.text), schema)
                 assert len(c.token_ids) <= budget
+
+
+def test_draft_rows_near_the_end_force_the_closing_at_each_position(manager):
+    """Speculative verification near the end of the budget: row j (after drafts[:j]) allows only the
+    closing token for that position, and the fill leaves the matcher where it was."""
+    import types
+
+    from deepinfer.structured.manager import RequestGrammar
+
+    schema = SCHEMAS[2]
+    compiled = manager.compiler.compile(manager.validate(StructuredOutputsParams(json=schema)))
+    future = types.SimpleNamespace(done=lambda: True, cancelled=lambda: False, result=lambda: compiled)
+    grammar = RequestGrammar(StructuredOutputsParams(json=schema), future, 30.0, None,
+                             ClosingPlan(manager.closer, margin=0))
+    assert grammar.ready()
+    closing = manager.closer.closing(grammar.matcher)
+    req = types.SimpleNamespace(request_id="r", grammar=grammar, max_output_tokens=len(closing) + 1,
+                                output_token_ids=[])
+    keys, masks = manager.fill([req], {"r": closing[:2]})
+    assert keys == ["r"] * 3
+    for j in range(3):
+        allowed = [t for t in range(manager.vocab_size) if (int(masks[j, t // 32]) >> (t % 32)) & 1]
+        assert allowed == [closing[j]]
+    assert grammar.num_fed == 0 and all(grammar.accept(t) for t in closing)
