@@ -129,13 +129,16 @@ class _Worker:
         self.proc.join(0.05)  # it closed its pipe: it is exiting (never block the event loop for long)
         return WorkerGone(f"the compiler process exited (status {self.proc.exitcode})")
 
-    def kill(self) -> None:
-        """SIGKILL; the process is reaped on a daemon thread, so the event loop never waits for a large
-        worker's memory to be freed."""
+    def kill(self, wait: bool = True) -> None:
+        """SIGKILL, then reap: here (`wait`, at shutdown: gone on return) or on a daemon thread, so a request's
+        event loop never waits for a large worker's memory to be freed."""
         with contextlib.suppress(OSError, ValueError):
             self.proc.kill()
             self.conn.close()
-        threading.Thread(target=self.proc.join, daemon=True, name="deepinfer-grammar-reaper").start()
+        if wait:
+            self.proc.join(1)
+        else:
+            threading.Thread(target=self.proc.join, daemon=True, name="deepinfer-grammar-reaper").start()
 
 
 async def _readable(fd: int, timeout_s: float) -> None:
@@ -204,12 +207,12 @@ class CompilePool:
             self._failure = str(e) or type(e).__name__
             if worker is not None:
                 self._workers.discard(worker)
-                worker.kill()
+                worker.kill(wait=False)
         finally:
             self._started.set()
 
     def _replace(self, worker: _Worker) -> None:
-        worker.kill()
+        worker.kill(wait=False)
         self._workers.discard(worker)
         if not self.closed:
             self._start_worker()
