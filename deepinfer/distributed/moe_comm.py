@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from deepinfer.layers.moe import routed_experts
+from deepinfer.layers.moe import sorted_expert_outputs
 
 ID_DTYPE = torch.int32
 WEIGHT_DTYPE = torch.float32
@@ -118,10 +118,12 @@ def unpack_rows(buf: torch.Tensor, layout: Sequence[tuple[torch.dtype, tuple[int
 class LocalWork:
     """Rows this rank runs through its own experts: expert_ids[n] (local id) applied to x[n].
 
-    handle is the implementation's bookkeeping for combine; callers treat it as opaque."""
+    Rows are sorted by expert and, within an expert, in global token order (rank-major), the order
+    routed_experts gives the whole batch. handle is the implementation's bookkeeping for combine."""
 
     x: torch.Tensor  # [N, D]
     expert_ids: torch.Tensor  # [N] int64 local expert ids, non-decreasing
+    plan_counts: torch.Tensor  # [E] pairs per global expert over all ranks: the single-process GEMM plan
     handle: object = None
 
 
@@ -168,7 +170,8 @@ class LocalComm(MoEComm):
         order = _expert_order(flat_ids)
         token_of = order // topk_ids.shape[1]
         handle = (x.shape[0], token_of, topk_weights.reshape(-1)[order])
-        return LocalWork(x[token_of], flat_ids[order], handle)
+        plan = torch.bincount(flat_ids, minlength=self.placement.num_experts)
+        return LocalWork(x[token_of], flat_ids[order], plan, handle)
 
     def combine(self, work, out):
         return _weighted_sum(*work.handle[:2], out, work.handle[2])
@@ -177,7 +180,16 @@ class LocalComm(MoEComm):
 # ----------------------------------------------------------------------------------------- all-gather
 
 
-class AllGatherComm(MoEComm):
+class _CollectiveComm(MoEComm):
+    """An implementation over a process group whose ranks are the placement's EP ranks."""
+
+    def __init__(self, placement: ExpertPlacement, rank: int, group=None):
+        super().__init__(placement, rank, group)
+        if dist.get_world_size(group) != placement.ep_size:
+            raise ValueError(f"placement for {placement.ep_size} ranks, group of {dist.get_world_size(group)}")
+
+
+class AllGatherComm(_CollectiveComm):
     """Every rank gathers all tokens (padded to the max count), runs its experts on them, then reduces.
 
     reduce="all_reduce" sums the [world * Tmax, D] partials with all_reduce and keeps this rank's slice;
@@ -203,11 +215,12 @@ class AllGatherComm(MoEComm):
         pairs = pairs[_expert_order(flat_ids[pairs])]  # padding ids are -1, never local
         token_of = pairs // k
         handle = (num_tokens, tmax, token_of, weights.reshape(-1)[pairs])
-        return LocalWork(rows[token_of], flat_ids[pairs] - start, handle)
+        plan = torch.bincount(flat_ids[flat_ids >= 0], minlength=self.placement.num_experts)
+        return LocalWork(rows[token_of], flat_ids[pairs] - start, plan, handle)
 
     def combine(self, work, out):
         num_tokens, tmax, token_of, weights = work.handle
-        world = dist.get_world_size(self.group)
+        world = self.placement.ep_size
         partial = _weighted_sum(world * tmax, token_of, out, weights)
         mine = self._reduce(partial, tmax)
         return mine[:num_tokens]
@@ -228,7 +241,7 @@ class AllGatherComm(MoEComm):
         rows = x.new_zeros(tmax, *x.shape[1:])
         rows[:num_tokens] = x
         send = pack_rows(ids, weights, rows)
-        recv = send.new_empty(dist.get_world_size(self.group) * tmax, send.shape[1])
+        recv = send.new_empty(self.placement.ep_size * tmax, send.shape[1])
         self.bytes_sent += send.numel()
         _all_gather_single(recv, send, group=self.group)
         return unpack_rows(recv, [(ID_DTYPE, (k,)), (WEIGHT_DTYPE, (k,)), (x.dtype, tuple(x.shape[1:]))])
@@ -247,7 +260,7 @@ class AllGatherComm(MoEComm):
 # ----------------------------------------------------------------------------------------- all-to-all
 
 
-class AllToAllComm(MoEComm):
+class AllToAllComm(_CollectiveComm):
     """Each (token, k) pair travels to its expert's owner and its output comes back (all_to_all_single).
 
     Pairs are sent in expert order, which is also owner order (blocks are contiguous), so one argsort gives
@@ -258,16 +271,16 @@ class AllToAllComm(MoEComm):
     def dispatch(self, x, topk_ids, topk_weights):
         flat_ids = topk_ids.reshape(-1)
         order = _expert_order(flat_ids)
-        world = dist.get_world_size(self.group)
-        send_counts = torch.bincount(self.placement.owner_of(flat_ids), minlength=world)
-        recv_counts = self._exchange_counts(send_counts)
+        counts = self._exchange_counts(flat_ids)
+        send_counts = [int(counts[self.rank, r.start:r.stop].sum()) for r in self._blocks()]
+        recv_counts = counts[:, self.local_experts.start:self.local_experts.stop].sum(1).tolist()
         token_of = order // topk_ids.shape[1]
         local_ids = self.placement.local_index(flat_ids[order])
         recv = self._all_to_all(pack_rows(local_ids.to(ID_DTYPE), x[token_of]), send_counts, recv_counts)
         recv_ids, rows = unpack_rows(recv, [(ID_DTYPE, ()), (x.dtype, tuple(x.shape[1:]))])
-        local_order = _expert_order(recv_ids)  # back by local expert; undone before the reply
+        local_order = _expert_order(recv_ids)  # by local expert, ties by source rank then origin order
         handle = (x.shape[0], token_of, topk_weights.reshape(-1)[order], send_counts, recv_counts, local_order)
-        return LocalWork(rows[local_order], recv_ids[local_order].long(), handle)
+        return LocalWork(rows[local_order], recv_ids[local_order].long(), counts.sum(0), handle)
 
     def combine(self, work, out):
         num_tokens, token_of, weights, send_counts, recv_counts, local_order = work.handle
@@ -276,17 +289,23 @@ class AllToAllComm(MoEComm):
         back = self._all_to_all(as_bytes(reply), recv_counts, send_counts)
         return _weighted_sum(num_tokens, token_of, from_bytes(back, out.dtype, out.shape[1:]), weights)
 
-    def _exchange_counts(self, send_counts: torch.Tensor) -> torch.Tensor:
-        recv_counts = torch.empty_like(send_counts)
-        self.bytes_sent += send_counts.numel() * _COUNT_BYTES
-        dist.all_to_all_single(recv_counts, send_counts, group=self.group)
-        return recv_counts
+    def _blocks(self) -> list[range]:
+        return [self.placement.local_experts(r) for r in range(self.placement.ep_size)]
 
-    def _all_to_all(self, send: torch.Tensor, send_counts: torch.Tensor, recv_counts: torch.Tensor) -> torch.Tensor:
+    def _exchange_counts(self, flat_ids: torch.Tensor) -> torch.Tensor:
+        """[world, E] pairs per (source rank, global expert): each rank sends its count row to every rank."""
+        world, num_experts = self.placement.ep_size, self.placement.num_experts
+        mine = torch.bincount(flat_ids, minlength=num_experts).to(COUNT_DTYPE)
+        counts = torch.empty(world * num_experts, dtype=COUNT_DTYPE, device=flat_ids.device)
+        self.bytes_sent += counts.numel() * _COUNT_BYTES
+        dist.all_to_all_single(counts, mine.repeat(world), group=self.group)
+        return counts.reshape(world, num_experts)
+
+    def _all_to_all(self, send: torch.Tensor, send_counts: list[int], recv_counts: list[int]) -> torch.Tensor:
         """Rows of uint8 send [sum send_counts, B] to each rank; returns [sum recv_counts, B] by source rank."""
-        recv = send.new_empty(int(recv_counts.sum()), send.shape[1])
+        recv = send.new_empty(sum(recv_counts), send.shape[1])
         self.bytes_sent += send.numel()
-        dist.all_to_all_single(recv, send, recv_counts.tolist(), send_counts.tolist(), group=self.group)
+        dist.all_to_all_single(recv, send, recv_counts, send_counts, group=self.group)
         return recv
 
 
@@ -307,25 +326,26 @@ def ep_routed_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: tor
 
 
 def _local_expert_outputs(work: LocalWork, w13: torch.Tensor, w2: torch.Tensor, limit: float) -> torch.Tensor:
-    """Unweighted expert_{id_n}(x_n) per row: routed_experts with K = 1 and weight 1 (exact, 1 * v = v)."""
+    """Unweighted expert_{id_n}(x_n) per row, with GEMMs shaped by the global plan (single-process bits)."""
     if work.x.shape[0] == 0:  # also covers ranks that own no experts
         return work.x.new_zeros(0, w2.shape[1])
-    ones = torch.ones(work.x.shape[0], 1, dtype=work.x.dtype, device=work.x.device)
-    return routed_experts(work.x, work.expert_ids.unsqueeze(1), ones, w13, w2, limit)
+    counts = torch.bincount(work.expert_ids, minlength=w13.shape[0])
+    return sorted_expert_outputs(work.x, work.expert_ids, counts, w13, w2, limit, work.plan_counts)
 
 
 # ----------------------------------------------------------------------------------------- bytes moved
 
 
-def bytes_moved(kind: str, tokens: int | Sequence[int], hidden: int, topk: int, world: int, elem_size: int) -> int:
+def bytes_moved(kind: str, tokens: int | Sequence[int], hidden: int, topk: int, world: int, elem_size: int,
+                experts: int) -> int:
     """Bytes all ranks together hand to collectives in one dispatch + combine (the sum of comm.bytes_sent).
 
     tokens is the token count of every rank, or one count per rank; elem_size is the activation dtype's.
     Counted are the send buffers, including each rank's chunk to itself (which crosses no wire):
     - allgather: per rank, 8 (count all_reduce) + Tmax * (D * e + 8 K) (ids + weights + row, all_gather)
       + world * Tmax * D * e (the partials, into all_reduce or reduce_scatter), Tmax the max count.
-    - alltoall: per rank, 8 * world (counts) + T * K * (D * e + 4) (row + local id per pair) + the same
-      T * K * D * e summed over ranks coming back (each pair's output returns to its origin).
+    - alltoall: per rank, 8 * world * E (its per-expert counts, to every rank) + T * K * (D * e + 4) (row and
+      local id per pair), plus T * K * D * e summed over ranks coming back (each pair's output returns home).
     - local: 0."""
     counts = [tokens] * world if isinstance(tokens, int) else list(tokens)
     if len(counts) != world:
@@ -337,5 +357,5 @@ def bytes_moved(kind: str, tokens: int | Sequence[int], hidden: int, topk: int, 
         tmax = max(counts)
         return world * (_COUNT_BYTES + tmax * (row + topk * (_ID_BYTES + _WEIGHT_BYTES)) + world * tmax * row)
     if kind == "alltoall":
-        return world * world * _COUNT_BYTES + sum(counts) * topk * (2 * row + _ID_BYTES)
+        return world * world * experts * _COUNT_BYTES + sum(counts) * topk * (2 * row + _ID_BYTES)
     raise ValueError(f"unknown comm kind {kind!r}")
