@@ -86,7 +86,7 @@ def run_case(case: Case, rank: int, world: int):
     mine, local = token_rows(case, rank), placement.local_experts(rank)
     out = ep_routed_experts(x[mine], ids[mine], weights[mine], w13[local.start:local.stop],
                             w2[local.start:local.stop], placement, comm, case.limit)
-    return out, comm.bytes_sent
+    return out, comm.payload_bytes
 
 
 def run_fp8_dispatch(rank: int, world: int):
@@ -99,6 +99,14 @@ def run_fp8_dispatch(rank: int, world: int):
     return work.x.view(torch.uint8), work.expert_ids
 
 
+def rejects_wrong_world(rank: int) -> bool:
+    try:
+        AllToAllComm(place_experts(6, 3), rank)
+    except ValueError:
+        return True
+    return False
+
+
 def worker(rank: int, world: int, port: int, out_dir: str, cases: list[Case]):
     torch.set_num_threads(1)
     try:
@@ -107,6 +115,7 @@ def worker(rank: int, world: int, port: int, out_dir: str, cases: list[Case]):
         results = {case.name: run_case(case, rank, world) for case in cases}
         if world == 2:
             results["fp8"] = run_fp8_dispatch(rank, world)
+            results["wrong_world"] = rejects_wrong_world(rank)
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
         dist.destroy_process_group()
     except BaseException:
@@ -187,10 +196,10 @@ def check_outputs(world: int, cases: list[Case], results: list[dict]):
 
 def check_bytes(world: int, cases: list[Case], results: list[dict]):
     for case in cases:
-        sent = sum(results[rank][case.name][1] for rank in range(world))
+        delivered = sum(results[rank][case.name][1] for rank in range(world))
         kind = case.comm.removesuffix("_rs")
         elem = torch.empty(0, dtype=case.dtype).element_size()
-        assert sent == bytes_moved(kind, case.counts, HIDDEN, case.topk, world, elem, case.experts), case
+        assert delivered == bytes_moved(kind, case.counts, HIDDEN, case.topk, world, elem, case.experts), case
 
 
 # ----------------------------------------------------------------------------------------- world 2
@@ -206,8 +215,12 @@ def test_world2_matches_routed_experts(world2):
     check_outputs(2, *world2)
 
 
-def test_world2_bytes_moved_match_the_tensors_sent(world2):
+def test_world2_bytes_moved_match_the_tensors_delivered(world2):
     check_bytes(2, *world2)
+
+
+def test_world2_comm_rejects_a_placement_for_another_world(world2):
+    assert all(results["wrong_world"] for results in world2[1])
 
 
 def test_world2_fp8_rows_travel_as_bytes(world2):
@@ -272,6 +285,8 @@ def test_ep_routed_experts_rejects_wrong_shard():
     x, ids, weights, w13, w2 = make_data(Case("bad", "local", 4, 2, (3,)))
     with pytest.raises(ValueError, match="owns 4 experts"):
         ep_routed_experts(x, ids, weights, w13[:2], w2[:2], placement, LocalComm(placement))
+    with pytest.raises(ValueError, match="another placement"):
+        ep_routed_experts(x, ids, weights, w13, w2, placement, LocalComm(place_experts(5, 1)))
 
 
 @pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2, torch.bfloat16, torch.int64])
@@ -293,7 +308,7 @@ def test_pack_rows_round_trip_and_empty():
 
 def test_bytes_moved_formulas():
     # allgather: pads to the max count (7); alltoall: only real pairs travel, twice (there and back)
-    assert bytes_moved("allgather", [7, 0], 4, 2, 2, 2, 5) == 2 * (8 + 7 * (8 + 16) + 2 * 7 * 8)
+    assert bytes_moved("allgather", [7, 0], 4, 2, 2, 2, 5) == 2 * 2 * (8 + 7 * (8 + 16) + 7 * 8)
     assert bytes_moved("alltoall", [7, 0], 4, 2, 2, 2, 5) == 2 * 2 * 5 * 8 + 7 * 2 * (16 + 4)
     assert bytes_moved("alltoall", 3, 4, 2, 2, 2, 5) == bytes_moved("alltoall", [3, 3], 4, 2, 2, 2, 5)
     assert bytes_moved("local", 5, 4, 2, 1, 2, 5) == 0

@@ -10,6 +10,9 @@ Invariants every implementation keeps:
   zero tokens (an idle DP rank) sends empty chunks and gets an empty [0, D] result.
 - A token's K contributions are added in ascending global expert id, in the activation dtype, like
   ``routed_experts``; only the cross-rank reduction of ``AllGatherComm`` may regroup them.
+- ``ep_routed_experts`` shapes a rank's expert GEMMs by the expert counts over all ranks (the single-process
+  plan of ``sorted_expert_outputs``), so expert outputs carry ``routed_experts``' bits. The price on the
+  padded path is padding every local expert to the global max count.
 - Tensors travel as uint8 views packed into one [rows, bytes] buffer per collective, so fp8 and other
   dtypes gloo rejects move unchanged. Expert ids travel as int32, routing weights as fp32 (exact for
   fp32/bf16/fp16 weights; ``routed_experts`` casts them to the activation dtype before use, as here).
@@ -134,7 +137,7 @@ class MoEComm(ABC):
 
     def __init__(self, placement: ExpertPlacement, rank: int = 0, group=None):
         self.placement, self.rank, self.group = placement, rank, group
-        self.bytes_sent = 0  # bytes this rank handed to collectives since construction (see bytes_moved)
+        self.payload_bytes = 0  # bytes collectives delivered to this rank since construction (see bytes_moved)
 
     @property
     def local_experts(self) -> range:
@@ -194,8 +197,8 @@ class AllGatherComm(_CollectiveComm):
 
     reduce="all_reduce" sums the [world * Tmax, D] partials with all_reduce and keeps this rank's slice;
     reduce="reduce_scatter" uses reduce_scatter_tensor. "auto" picks all_reduce for CPU tensors (gloo's
-    reduce_scatter_tensor is a slow path, about 6x slower than all_reduce at 1 MiB on 2 ranks) and
-    reduce_scatter elsewhere (NCCL). Both hand the collective the same input bytes."""
+    reduce_scatter is a slow path, never faster than all_reduce there: docs/parallelism-moe.md) and
+    reduce_scatter elsewhere (NCCL, where it moves half the bytes). Both take the same input bytes."""
 
     name = "allgather"
 
@@ -227,7 +230,7 @@ class AllGatherComm(_CollectiveComm):
 
     def _max_tokens(self, num_tokens: int, device) -> int:
         count = torch.tensor([num_tokens], dtype=COUNT_DTYPE, device=device)
-        self.bytes_sent += _COUNT_BYTES
+        self.payload_bytes += self.placement.ep_size * _COUNT_BYTES  # one count from every rank
         dist.all_reduce(count, op=dist.ReduceOp.MAX, group=self.group)
         return int(count.item())
 
@@ -242,13 +245,14 @@ class AllGatherComm(_CollectiveComm):
         rows[:num_tokens] = x
         send = pack_rows(ids, weights, rows)
         recv = send.new_empty(self.placement.ep_size * tmax, send.shape[1])
-        self.bytes_sent += send.numel()
+        self.payload_bytes += recv.numel()
         _all_gather_single(recv, send, group=self.group)
         return unpack_rows(recv, [(ID_DTYPE, (k,)), (WEIGHT_DTYPE, (k,)), (x.dtype, tuple(x.shape[1:]))])
 
     def _reduce(self, partial: torch.Tensor, tmax: int) -> torch.Tensor:
         """This rank's [Tmax, D] rows of the sum over ranks of partial [world * Tmax, D]."""
-        self.bytes_sent += partial.numel() * partial.element_size()
+        # reduce-scatter payload: every rank's [Tmax, D] chunk for this rank (a ring all_reduce moves ~2x)
+        self.payload_bytes += partial.numel() * partial.element_size()
         if self.reduce == "reduce_scatter" or (self.reduce == "auto" and partial.device.type != "cpu"):
             mine = partial.new_empty(tmax, partial.shape[1])
             _reduce_scatter_single(mine, partial, group=self.group)
@@ -297,14 +301,14 @@ class AllToAllComm(_CollectiveComm):
         world, num_experts = self.placement.ep_size, self.placement.num_experts
         mine = torch.bincount(flat_ids, minlength=num_experts).to(COUNT_DTYPE)
         counts = torch.empty(world * num_experts, dtype=COUNT_DTYPE, device=flat_ids.device)
-        self.bytes_sent += counts.numel() * _COUNT_BYTES
+        self.payload_bytes += counts.numel() * _COUNT_BYTES
         dist.all_to_all_single(counts, mine.repeat(world), group=self.group)
         return counts.reshape(world, num_experts)
 
     def _all_to_all(self, send: torch.Tensor, send_counts: list[int], recv_counts: list[int]) -> torch.Tensor:
         """Rows of uint8 send [sum send_counts, B] to each rank; returns [sum recv_counts, B] by source rank."""
         recv = send.new_empty(sum(recv_counts), send.shape[1])
-        self.bytes_sent += send.numel()
+        self.payload_bytes += recv.numel()
         dist.all_to_all_single(recv, send, recv_counts, send_counts, group=self.group)
         return recv
 
@@ -318,6 +322,8 @@ def ep_routed_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: tor
     """routed_experts for this rank's tokens with only this rank's experts' weights (collective call).
 
     local_w13 [E_local, 2I, D] and local_w2 [E_local, D, I] are the rows placement gives comm.rank."""
+    if placement != comm.placement:
+        raise ValueError("comm was built for another placement")
     if local_w13.shape[0] != len(placement.local_experts(comm.rank)):
         raise ValueError(f"rank {comm.rank} owns {len(placement.local_experts(comm.rank))} experts, "
                          f"got weights for {local_w13.shape[0]}")
@@ -338,14 +344,16 @@ def _local_expert_outputs(work: LocalWork, w13: torch.Tensor, w2: torch.Tensor, 
 
 def bytes_moved(kind: str, tokens: int | Sequence[int], hidden: int, topk: int, world: int, elem_size: int,
                 experts: int) -> int:
-    """Bytes all ranks together hand to collectives in one dispatch + combine (the sum of comm.bytes_sent).
+    """Payload bytes one dispatch + combine delivers to all ranks together (the sum of comm.payload_bytes).
 
     tokens is the token count of every rank, or one count per rank; elem_size is the activation dtype's.
-    Counted are the send buffers, including each rank's chunk to itself (which crosses no wire):
-    - allgather: per rank, 8 (count all_reduce) + Tmax * (D * e + 8 K) (ids + weights + row, all_gather)
-      + world * Tmax * D * e (the partials, into all_reduce or reduce_scatter), Tmax the max count.
-    - alltoall: per rank, 8 * world * E (its per-expert counts, to every rank) + T * K * (D * e + 4) (row and
-      local id per pair), plus T * K * D * e summed over ranks coming back (each pair's output returns home).
+    Each rank's chunk to itself is counted too (it crosses no wire), which makes this a pure function; the
+    wire share is (world - 1) / world of it for allgather, and the same in expectation for alltoall under
+    uniform routing. Per rank, with Tmax the max count and e = elem_size:
+    - allgather: 8 world (count all_reduce) + world Tmax (D e + 8 K) (every rank's rows, int32 ids, fp32
+      weights) + world Tmax D e (every rank's partial sums of this rank's rows: the reduce-scatter payload).
+    - alltoall: 8 world E (every rank's per-expert counts) + the rows of the pairs routed here, D e + 4 bytes
+      each, and on the way back D e per pair of this rank's own; summed over ranks both are sum(T) K pairs.
     - local: 0."""
     counts = [tokens] * world if isinstance(tokens, int) else list(tokens)
     if len(counts) != world:
@@ -355,7 +363,8 @@ def bytes_moved(kind: str, tokens: int | Sequence[int], hidden: int, topk: int, 
         return 0
     if kind == "allgather":
         tmax = max(counts)
-        return world * (_COUNT_BYTES + tmax * (row + topk * (_ID_BYTES + _WEIGHT_BYTES)) + world * tmax * row)
+        per_rank = world * (_COUNT_BYTES + tmax * (row + topk * (_ID_BYTES + _WEIGHT_BYTES)) + tmax * row)
+        return world * per_rank
     if kind == "alltoall":
         return world * world * experts * _COUNT_BYTES + sum(counts) * topk * (2 * row + _ID_BYTES)
     raise ValueError(f"unknown comm kind {kind!r}")
