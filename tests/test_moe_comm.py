@@ -53,6 +53,7 @@ class Case:
     dtype: torch.dtype = torch.float32
     limit: float = 0.0
     seed: int = 0
+    skewed: bool = False  # every token picks expert 0: routed_experts takes its per-expert loop, not the bmm
 
 
 def make_data(case: Case):
@@ -60,7 +61,10 @@ def make_data(case: Case):
     g = torch.Generator().manual_seed(case.seed)
     total = sum(case.counts)
     x = torch.randn(total, HIDDEN, generator=g)
-    ids = torch.rand(total, case.experts, generator=g).argsort(dim=1)[:, :case.topk]  # distinct per token
+    scores = torch.rand(total, case.experts, generator=g)
+    if case.skewed:
+        scores[:, 0] = -1.0
+    ids = scores.argsort(dim=1)[:, :case.topk]  # distinct per token
     weights = torch.rand(total, case.topk, generator=g)
     w13 = torch.randn(case.experts, 2 * INTER, HIDDEN, generator=g) / HIDDEN ** 0.5
     w2 = torch.randn(case.experts, HIDDEN, INTER, generator=g) / INTER ** 0.5
@@ -109,6 +113,7 @@ def rejects_wrong_world(rank: int) -> bool:
 
 def worker(rank: int, world: int, port: int, out_dir: str, cases: list[Case]):
     torch.set_num_threads(1)
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # loopback only
     try:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                                 timeout=timedelta(seconds=GROUP_TIMEOUT_S))
@@ -133,7 +138,6 @@ def free_port() -> int:
 def spawn_group(world: int, cases: list[Case], out_dir) -> list[dict]:
     """Run worker on world spawned ranks over loopback gloo; every rank's results, or fail with its error."""
     ctx = multiprocessing.get_context("spawn")
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     port = free_port()
     procs = [ctx.Process(target=worker, args=(r, world, port, str(out_dir), cases)) for r in range(world)]
     for p in procs:
@@ -156,7 +160,8 @@ def reference(case: Case) -> torch.Tensor:
 
 
 def cases_for(world: int) -> list[Case]:
-    """Ragged counts with an idle rank, E not divisible by world, K = 2 and 3, bf16, V4's clamp, all idle."""
+    """Ragged counts, an idle rank, all idle, E not divisible by world, K = 2 and 3, bf16, V4's clamp, and
+    skewed routing (both of routed_experts' GEMM plans)."""
     idle_first = (0,) + tuple(range(5, 5 + 2 * (world - 1), 2))
     ragged = tuple(range(3, 3 + 4 * world, 4))
     out = []
@@ -168,6 +173,7 @@ def cases_for(world: int) -> list[Case]:
         out.append(Case(f"{comm}-bf16-k3", comm, 5, 3, ragged[::-1], dtype=torch.bfloat16, seed=21))
         out.append(Case(f"{comm}-limit", comm, 7, 3, ragged, limit=0.5, seed=30))
         out.append(Case(f"{comm}-all-idle", comm, 5, 2, (0,) * world, seed=40))
+        out.append(Case(f"{comm}-skewed", comm, 7, 2, idle_first, seed=60, skewed=True))
     return out
 
 
