@@ -25,17 +25,25 @@ def routed_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.
     flat_ids = topk_ids.reshape(-1)
     order = torch.argsort(flat_ids, stable=True)
     counts = torch.bincount(flat_ids, minlength=num_experts)
-    count_list = counts.tolist()
     token_of = order // k
-    xs = x[token_of]
-    if max(count_list) * num_experts <= MAX_PADDING_WASTE * flat_ids.numel():
-        out_sorted = _padded_batched(xs, flat_ids[order], counts, max(count_list), w13, w2, limit)
-    else:
-        out_sorted = _grouped_loop(xs, count_list, w13, w2, limit)
+    out_sorted = sorted_expert_outputs(x[token_of], flat_ids[order], counts, w13, w2, limit)
     weights = topk_weights.reshape(-1)[order].to(x.dtype).unsqueeze(-1)
     out = torch.zeros_like(x)
     out.index_add_(0, token_of, out_sorted * weights)
     return out
+
+
+def sorted_expert_outputs(xs: torch.Tensor, sorted_ids: torch.Tensor, counts: torch.Tensor, w13: torch.Tensor,
+                          w2: torch.Tensor, limit: float = 0.0,
+                          plan_counts: torch.Tensor | None = None) -> torch.Tensor:
+    """expert_{sorted_ids[n]}(xs[n]) for rows sorted by expert id, counts[e] rows of expert e.
+
+    The GEMM shapes follow plan_counts (default counts), the expert counts of the whole batch: expert
+    parallelism passes the counts over all ranks so a rank's GEMMs have the single-process shapes."""
+    plan = (counts if plan_counts is None else plan_counts).tolist()
+    if max(plan) * len(plan) <= MAX_PADDING_WASTE * sum(plan):
+        return _padded_batched(xs, sorted_ids, counts, max(plan), w13, w2, limit)
+    return _grouped_loop(xs, counts.tolist(), w13, w2, limit)
 
 
 def _grouped_loop(xs: torch.Tensor, counts: list[int], w13: torch.Tensor, w2: torch.Tensor,

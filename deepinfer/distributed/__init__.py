@@ -1,0 +1,1 @@
+"""Process groups and collectives over torch.distributed (gloo on CPU, NCCL on CUDA)."""
