@@ -20,6 +20,7 @@ import multiprocessing.connection as mpc
 import os
 import signal
 import socket
+import sys
 import threading
 import time
 import traceback
@@ -162,6 +163,9 @@ def _worker_main(job: _Job, ctrl: mpc.Connection, report: mpc.Connection) -> Non
         os._exit(EXIT_ERROR)
     if dist.is_initialized():
         dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # skip interpreter teardown (torch's takes ~1 s); nothing is left to clean up
 
 
 # ----------------------------------------------------------------------------------------------- parent side
@@ -179,6 +183,7 @@ class _Supervisor:
         self.last_beat: dict[int, float] = {}
         self.open = set(range(len(procs)))  # ranks whose report pipe has not hit EOF
         self.exited: set[int] = set()
+        self.hung: set[int] = set()  # no grace at close(): they would not act on "stop"
         self.changed = threading.Condition()
         self.closing = threading.Event()
         self.thread = threading.Thread(target=self._monitor, daemon=True, name="deepinfer-worker-monitor")
@@ -227,7 +232,8 @@ class _Supervisor:
         if rank not in self.last_beat:
             if now - self.started > self.options.startup_timeout_s:
                 self._fail(rank, f"did not start within {self.options.startup_timeout_s} s (no heartbeat)")
-        elif now - self.last_beat[rank] > self.options.hang_timeout_s:
+        elif now - self.last_beat[rank] > self.options.hang_timeout_s and rank not in self.exited:
+            self.hung.add(rank)
             self._fail(rank, f"stopped responding: no heartbeat for {now - self.last_beat[rank]:.1f} s")
 
     def _fail(self, rank: int, why: str) -> None:
@@ -237,6 +243,8 @@ class _Supervisor:
         """Ask every worker to stop, give them join_timeout_s, SIGKILL the rest (this also ends SIGSTOPped ones)."""
         self.closing.set()
         self.thread.join(timeout=5.0)
+        for rank in self.hung:
+            _kill(self.procs[rank])
         for conn in self.ctrls:
             _send_quietly(conn, "stop")
         deadline = time.monotonic() + self.options.join_timeout_s
