@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import gc
 import os
+import pickle
 import signal
 import subprocess
 import sys
@@ -137,6 +138,11 @@ def test_options_and_failure_messages():
     assert str(WorkerFailure({1: "died", 0: "raised"})) == "rank 0: raised; rank 1: died"
 
 
+def test_unpicklable_target_fails_before_any_worker_starts():
+    with pytest.raises((AttributeError, pickle.PicklingError, TypeError)):
+        WorkerGroup(lambda rank, layout: rank, ParallelConfig(1, 2))
+
+
 # ------------------------------------------------------------------------------------------------- world 2
 
 
@@ -157,14 +163,16 @@ def test_world2_collectives_through_groups_then_dropped_group_leaves_no_process(
 
 
 def test_killed_rank_is_reported_and_peers_do_not_hang(tmp_path):
-    options = WorkerOptions(pg_timeout_s=5, heartbeat_s=0.2, hang_timeout_s=30, join_timeout_s=3)
-    with WorkerGroup(dist_workers.allreduce_forever, ParallelConfig(1, 2), (str(tmp_path),), options) as group:
+    options, seen = WorkerOptions(pg_timeout_s=5, heartbeat_s=0.2, hang_timeout_s=30, join_timeout_s=3), []
+    with WorkerGroup(dist_workers.allreduce_forever, ParallelConfig(1, 2), (str(tmp_path),), options,
+                     on_failure=seen.append) as group:
         assert _within(60, lambda: group.check() or all((tmp_path / str(r)).exists() for r in (0, 1)))
         killed = time.monotonic()
         os.kill(group.pids[1], signal.SIGKILL)  # mid all_reduce loop
         with pytest.raises(WorkerFailure, match=r"rank 1: died with exit code -9 \(SIGKILL\)"):
             group.wait(timeout_s=10)
         assert time.monotonic() - killed < 2
+        assert _within(2, lambda: seen) and 1 in seen[0].failures  # also pushed by the monitor thread
         # rank 0 was blocked in all_reduce: gloo fails it (peer gone, or pg_timeout_s) and the launcher says so
         assert _within(options.pg_timeout_s + 5, lambda: "exit code 1" in group.failures.get(0, ""))
         assert group.failures[0].startswith("raised") and not _alive(group.pids[0])

@@ -15,6 +15,7 @@ timeout (`pg_timeout_s`): the waiting ranks raise, and that is reported like any
 from __future__ import annotations
 
 import _thread
+import logging
 import multiprocessing as mp
 import multiprocessing.connection as mpc
 import os
@@ -34,6 +35,8 @@ import torch.distributed as dist
 from deepinfer.config import ParallelConfig
 from deepinfer.distributed.backend import DistEnv, init_from_env
 from deepinfer.distributed.layout import RankLayout, make_layout
+
+logger = logging.getLogger(__name__)
 
 EXIT_ERROR = 1  # the target raised (the traceback was reported first)
 EXIT_PARENT_GONE = 3  # the owner process died or closed the control pipe
@@ -175,8 +178,11 @@ class _Supervisor:
     """Owns the processes and pipes. The monitor thread and the finalizer reference this, never the WorkerGroup,
     so dropping the last WorkerGroup reference still runs the finalizer (and closes the workers)."""
 
-    def __init__(self, procs: list, ctrls: list, reports: list, options: WorkerOptions):
+    def __init__(self, procs: list, ctrls: list, reports: list, options: WorkerOptions,
+                 on_failure: Callable[[WorkerFailure], None] | None):
         self.procs, self.ctrls, self.reports, self.options = procs, ctrls, reports, options
+        self.on_failure = on_failure
+        self.reported: set[int] = set()  # ranks whose failure was logged and passed to on_failure
         self.results: dict[int, Any] = {}
         self.failures: dict[int, str] = {}
         self.started = time.monotonic()
@@ -196,6 +202,19 @@ class _Supervisor:
             with self.changed:
                 self._poll(time.monotonic())
                 self.changed.notify_all()
+                new = {r: why for r, why in self.failures.items() if r not in self.reported}
+                self.reported.update(new)
+            if new:
+                self._report(WorkerFailure(new))
+
+    def _report(self, failure: WorkerFailure) -> None:
+        """Runs on the monitor thread, outside the lock, once per newly failed rank(s)."""
+        logger.error("worker failure: %s", failure)
+        try:
+            if self.on_failure is not None:
+                self.on_failure(failure)
+        except Exception:
+            logger.exception("on_failure callback raised")  # the monitor must keep running
 
     def _poll(self, now: float) -> None:
         """Reports are drained before deaths are looked at, so a rank's traceback comes before its exit code."""
@@ -283,18 +302,20 @@ def _spawn(ctx: mp.context.BaseContext, job: _Job) -> tuple:
 
 class WorkerGroup:
     """world_size worker processes running `target(rank, layout, *args)`; see the module docstring.
+    `on_failure(WorkerFailure)` is called from the monitor thread as soon as ranks fail (and they are logged);
+    it must not call close() itself (close joins that thread), only signal the owner.
 
     `close()` is idempotent and also runs from a weakref finalizer (when the group is garbage collected) and at
     interpreter exit (weakref.finalize's atexit hook); workers also exit by themselves when this process dies."""
 
     def __init__(self, target: Callable[..., Any], parallel: ParallelConfig, args: tuple = (),
-                 options: WorkerOptions | None = None):
+                 options: WorkerOptions | None = None, on_failure: Callable[[WorkerFailure], None] | None = None):
         self.layout = make_layout(parallel)
         self.options = options or WorkerOptions()
         self.port = free_port(self.options.master_addr)
         spawned = self._spawn_all(target, tuple(args))
         procs, ctrls, reports = (list(x) for x in zip(*spawned))
-        self._sup = _Supervisor(procs, ctrls, reports, self.options)
+        self._sup = _Supervisor(procs, ctrls, reports, self.options, on_failure)
         self._finalizer = weakref.finalize(self, self._sup.close)
         self._finalizer.atexit = True
 
