@@ -150,6 +150,13 @@ def _run_target(job: _Job, reporter: _Reporter, state: _WorkerState) -> None:
     state.stop.wait()
 
 
+def _exit(code: int) -> None:
+    """Leave now, skipping interpreter teardown (torch's takes ~1 s); what the target printed still shows."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 def _worker_main(job: _Job, ctrl: mpc.Connection, report: mpc.Connection) -> None:
     state, reporter = _WorkerState(), _Reporter(report)
     _start_daemon(_watch_parent, ctrl, state)
@@ -159,16 +166,14 @@ def _worker_main(job: _Job, ctrl: mpc.Connection, report: mpc.Connection) -> Non
     except KeyboardInterrupt:
         if not state.stop.is_set():
             reporter.send("error", traceback.format_exc())
-            os._exit(EXIT_ERROR)
+            _exit(EXIT_ERROR)
     except BaseException:
         # exit at once: peers blocked on this rank then fail fast (closed sockets) instead of timing out
         reporter.send("error", traceback.format_exc())
-        os._exit(EXIT_ERROR)
+        _exit(EXIT_ERROR)
     if dist.is_initialized():
         dist.destroy_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)  # skip interpreter teardown (torch's takes ~1 s); nothing is left to clean up
+    _exit(0)
 
 
 # ----------------------------------------------------------------------------------------------- parent side
