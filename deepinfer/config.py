@@ -380,6 +380,29 @@ class SchedulerConfig:
             raise ValueError(f"scheduling policy must be fcfs or priority, got {self.policy!r}")
 
 
+@dataclass(frozen=True)
+class ParallelConfig:
+    """How many ranks and how they split the model: world = data_parallel_size x tensor_parallel_size.
+    With `enable_expert_parallel` the MoE experts are spread over the whole world (EP = world); without it
+    they are sharded like every other layer, over the tensor-parallel group (deepinfer/distributed/layout.py)."""
+
+    data_parallel_size: int = 1
+    tensor_parallel_size: int = 1
+    enable_expert_parallel: bool = False
+
+    def __post_init__(self):
+        for name in ("data_parallel_size", "tensor_parallel_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if not isinstance(self.enable_expert_parallel, bool):
+            raise ValueError(f"enable_expert_parallel must be a bool, got {self.enable_expert_parallel!r}")
+
+    @property
+    def world_size(self) -> int:
+        return self.data_parallel_size * self.tensor_parallel_size
+
+
 SPECULATIVE_METHODS = ("mtp", "ngram", "dspark")
 VERIFY_POLICIES = ("fixed", "adaptive")
 
