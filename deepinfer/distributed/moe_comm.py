@@ -197,7 +197,7 @@ class AllGatherComm(_CollectiveComm):
 
     reduce="all_reduce" sums the [world * Tmax, D] partials with all_reduce and keeps this rank's slice;
     reduce="reduce_scatter" uses reduce_scatter_tensor. "auto" picks all_reduce for CPU tensors (gloo's
-    reduce_scatter is a slow path, never faster than all_reduce there: docs/parallelism-moe.md) and
+    reduce_scatter is a slow path, never faster than all_reduce there: docs/parallelism.md) and
     reduce_scatter elsewhere (NCCL, where it moves half the bytes). Both take the same input bytes."""
 
     name = "allgather"
