@@ -21,8 +21,8 @@ OPTIONS = WorkerOptions(pg_timeout_s=tp_workers.GROUP_TIMEOUT_S, heartbeat_s=0.2
 TOL = {torch.float32: {"atol": 1e-5, "rtol": 1e-5}, torch.bfloat16: {"atol": 2e-2, "rtol": 2e-2}}
 CASES = [Case(0, (7,)), Case(1, (0,)), Case(2, (2, 3)), Case(3, (5,), limit=0.5), Case(4, (7,), torch.bfloat16),
          Case(5, (0,), torch.bfloat16), Case(6, (6,), torch.bfloat16, limit=0.5), Case(7, (0, 3))]
-# per forward of run_full: row, row_full_input, embed, mlp, v4_out all-reduce; column, head all-gather
-COLLECTIVES = {"all_reduce": 5, "all_gather": 2}
+# per run_full: row, row_full_input, embed, tiny_embed, mlp, v4_out all-reduce; column, head, tiny_head all-gather
+COLLECTIVES = {"all_reduce": 6, "all_gather": 3}
 
 
 def _ranks(size: int) -> list[tp.TPRank]:
@@ -118,7 +118,8 @@ def _check_rank(out: dict, rank: int, parallel: ParallelConfig) -> None:
                                    **TOL[case.dtype])
         ids = tp.vocab_range(VOCAB, r)
         torch.testing.assert_close(full["head_local"], ref["head"][..., ids.start:ids.stop], **TOL[case.dtype])
-        assert torch.equal(full["embed"], ref["embed"])  # one non-zero term per row: exact
+        for name in ("embed", "tiny_embed"):
+            assert torch.equal(full[name], ref[name])  # one non-zero term per row: exact
         assert all(torch.equal(sliced[k], full[k]) for k in sliced), case  # same shards, same bits
         assert counts == COLLECTIVES, case  # an empty batch enters every collective too
 
@@ -129,8 +130,12 @@ def _run_world(parallel: ParallelConfig, timeout_s: float) -> None:
     for rank, out in enumerate(results):
         _check_rank(out, rank, parallel)
         size = parallel.tensor_parallel_size
-        assert [e.split(":")[0] for e in out["errors"]] == ["wq_b", "wo_b", "shared_experts.gate"]
-        assert all(f"not divisible by tensor-parallel size {size}" in e for e in out["errors"])
+        divisible, shards = out["errors"][:3], out["errors"][3:]
+        assert [e.split(":")[0] for e in divisible] == ["wq_b", "wo_b", "shared_experts.gate"]
+        assert all(f"not divisible by tensor-parallel size {size}" in e for e in divisible)
+        assert shards[0].startswith(f"embedding shard has {VOCAB} rows, TP rank {rank % size} of {size} holds")
+        assert shards[1].startswith(f"LM head shard has {VOCAB} rows")
+        assert shards[2] == f"row-parallel input has {3 * size + 1} features, expected {size} x 3"
 
 
 def test_world2_tp_modules_match_unsharded_ops():

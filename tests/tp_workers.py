@@ -20,6 +20,7 @@ from deepinfer.layers.moe import swiglu
 
 # Divisible by TP 1, 2 and 4, except VOCAB (37): the padded vocab split gets ragged blocks (19 + 18; 10 x 3 + 7).
 HIDDEN, INTER, VOCAB, HEADS, HEAD_DIM, GROUPS, O_LORA = 16, 24, 37, 8, 4, 4, 6
+TINY_VOCAB = 1  # fewer ids than ranks: ranks 1.. hold empty vocab blocks and still join every collective
 GROUP_TIMEOUT_S = 30  # a collective that waits longer fails the rank instead of hanging the test
 
 
@@ -37,8 +38,8 @@ def make_weights(seed: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     def rand(*shape: int) -> torch.Tensor:
         return (torch.randn(*shape, generator=g) / shape[-1] ** 0.5).to(dtype)
     return {"col_w": rand(INTER, HIDDEN), "col_b": rand(INTER), "row_w": rand(HIDDEN, INTER), "row_b": rand(HIDDEN),
-            "embed": rand(VOCAB, HIDDEN), "head": rand(VOCAB, HIDDEN), "gate": rand(INTER, HIDDEN),
-            "up": rand(INTER, HIDDEN), "down": rand(HIDDEN, INTER),
+            "embed": rand(VOCAB, HIDDEN), "head": rand(VOCAB, HIDDEN), "tiny": rand(TINY_VOCAB, HIDDEN),
+            "gate": rand(INTER, HIDDEN), "up": rand(INTER, HIDDEN), "down": rand(HIDDEN, INTER),
             "wo_a": rand(GROUPS * O_LORA, HEADS * HEAD_DIM // GROUPS), "wo_b": rand(HIDDEN, GROUPS * O_LORA)}
 
 
@@ -65,6 +66,7 @@ def reference(case: Case) -> dict[str, torch.Tensor]:
     gate_up = torch.cat([F.linear(i["x"], w["gate"]), F.linear(i["x"], w["up"])], -1)
     return {"column": F.linear(i["x"], w["col_w"], w["col_b"]), "row": F.linear(i["h"], w["row_w"], w["row_b"]),
             "embed": F.embedding(i["ids"], w["embed"]), "head": F.linear(i["x"], w["head"]),
+            "tiny_embed": F.embedding(torch.zeros_like(i["ids"]), w["tiny"]), "tiny_head": F.linear(i["x"], w["tiny"]),
             "mlp": F.linear(swiglu(gate_up, case.limit), w["down"]),
             "v4_out": F.linear(grouped(i["attn"], w["wo_a"], GROUPS), w["wo_b"])}
 
@@ -90,6 +92,8 @@ def run_full(case: Case, group) -> dict[str, torch.Tensor]:
             "embed": tp.VocabParallelEmbedding.from_full(w["embed"], group)(i["ids"]),
             "head": tp.ParallelLMHead.from_full(w["head"], group)(i["x"]),
             "head_local": tp.ParallelLMHead.from_full(w["head"], group).local_logits(i["x"]),
+            "tiny_embed": tp.VocabParallelEmbedding.from_full(w["tiny"], group)(torch.zeros_like(i["ids"])),
+            "tiny_head": tp.ParallelLMHead.from_full(w["tiny"], group)(i["x"]),
             "mlp": tp.TPMLP.from_full(w["gate"], w["up"], w["down"], group, case.limit)(i["x"]),
             "v4_out": _v4_output_projection(w, i["attn"], r, group)}
 
@@ -121,13 +125,17 @@ def counting_collectives():
         dist.all_reduce, tp._all_gather_single = reduce, gather
 
 
-def non_divisible_errors(group) -> list[str]:
-    """Constructors that must raise before any collective (sizes not divisible by the TP size)."""
+def shape_errors(group) -> list[str]:
+    """Calls that must raise before any collective: sizes not divisible by the TP size, mis-sized shards."""
     size, errors = dist.get_world_size(group), []
     bad = torch.zeros(2 * size + 1, 2 * size + 1)
+    row = tp.RowParallelLinear(torch.zeros(4, 3), None, group, input_is_parallel=False)
     for build in (lambda: tp.ColumnParallelLinear.from_full(bad, group=group, name="wq_b"),
                   lambda: tp.RowParallelLinear.from_full(bad, group=group, name="wo_b"),
-                  lambda: tp.TPMLP.from_full(bad, bad, bad.T, group, name="shared_experts")):
+                  lambda: tp.TPMLP.from_full(bad, bad, bad.T, group, name="shared_experts"),
+                  lambda: tp.VocabParallelEmbedding(torch.zeros(VOCAB, 2), VOCAB, group),
+                  lambda: tp.ParallelLMHead(torch.zeros(VOCAB, 2), VOCAB, group),
+                  lambda: row(torch.zeros(2, 3 * size + 1))):
         try:
             build()
         except ValueError as e:
@@ -138,7 +146,7 @@ def non_divisible_errors(group) -> list[str]:
 def tp_modules(rank: int, layout, cases: list[Case]) -> dict:
     """All cases in sequence in one TP group; replica d (DP rank) uses seed + 100 d, so groups cannot mix."""
     group, shift = backend.build_groups(layout, GROUP_TIMEOUT_S).tp, 100 * layout.dp_rank(rank)
-    out = {"full": [], "sliced": [], "counts": [], "errors": non_divisible_errors(group)}
+    out = {"full": [], "sliced": [], "counts": [], "errors": shape_errors(group)}
     for case in cases:
         case = Case(case.seed + shift, case.shape, case.dtype, case.limit)
         with counting_collectives() as counts:

@@ -142,6 +142,22 @@ def gather_last_dim(x: torch.Tensor, tp: TPRank, group: dist.ProcessGroup | None
 # ----------------------------------------------------------------------------------------- modules
 
 
+def _vocab_rows(weight: torch.Tensor, vocab: int, tp: TPRank, what: str) -> range:
+    """The vocab ids a [rows, D] shard stands for; its row count must be len(vocab_range(vocab, tp))."""
+    ids = vocab_range(vocab, tp)
+    if weight.shape[0] != len(ids):
+        raise ValueError(f"{what} shard has {weight.shape[0]} rows, TP rank {tp.rank} of {tp.size} holds "
+                         f"{len(ids)} of the {vocab} ids")
+    return ids
+
+
+def _input_slice(x: torch.Tensor, width: int, tp: TPRank) -> torch.Tensor:
+    """This rank's [..., width] block of a full [..., T width] input."""
+    if x.shape[-1] != tp.size * width:
+        raise ValueError(f"row-parallel input has {x.shape[-1]} features, expected {tp.size} x {width}")
+    return x.narrow(-1, tp.rank * width, width)
+
+
 class ColumnParallelLinear(nn.Module):
     """y = x W^T + b with W's output rows split: a rank computes its output slice [..., out / T].
     gather_output=True all-gathers the full [..., out]. Bit-identical columns are typical (each is one rank's
@@ -188,8 +204,7 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
-            width = self.weight.shape[1]
-            x = x.narrow(-1, self.tp.rank * width, width)
+            x = _input_slice(x, self.weight.shape[1], self.tp)
         y = all_reduce(F.linear(x, self.weight), self.group)
         return y if self.bias is None else y + self.bias
 
@@ -203,9 +218,7 @@ class VocabParallelEmbedding(nn.Module):
         """From this rank's shard: rows vocab_range(vocab_size, tp) of the [V, D] table."""
         super().__init__()
         self.group, self.tp, self.vocab_size = group, TPRank.of(group), vocab_size
-        self.ids = vocab_range(vocab_size, self.tp)
-        if weight.shape[0] != len(self.ids):
-            raise ValueError(f"embedding shard has {weight.shape[0]} rows, vocab_range gives {len(self.ids)}")
+        self.ids = _vocab_rows(weight, vocab_size, self.tp, "embedding")
         self.weight = nn.Parameter(weight, requires_grad=False)
 
     @classmethod
@@ -233,9 +246,7 @@ class ParallelLMHead(nn.Module):
         """From this rank's shard: rows vocab_range(vocab_size, tp) of the [V, D] head."""
         super().__init__()
         self.group, self.tp, self.vocab_size = group, TPRank.of(group), vocab_size
-        self.ids = vocab_range(vocab_size, self.tp)
-        if weight.shape[0] != len(self.ids):
-            raise ValueError(f"LM-head shard has {weight.shape[0]} rows, vocab_range gives {len(self.ids)}")
+        self.ids = _vocab_rows(weight, vocab_size, self.tp, "LM head")
         self.weight = nn.Parameter(weight, requires_grad=False)
 
     @classmethod
