@@ -26,7 +26,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from deepinfer.distributed.moe_comm import _all_gather_single
+from deepinfer.distributed.moe_comm import _all_gather_single  # the one alias of the renamed all-gather
 from deepinfer.layers.moe import swiglu
 
 # ----------------------------------------------------------------------------------------- pure sharding
