@@ -111,22 +111,31 @@ def model_report(raw: dict, shipped: dep.WeightFormat) -> dict:
             "moe_layers": dep.num_moe_layers(cfg)}
 
 
+def print_header(line: str) -> None:
+    """A markdown table header and its separator row."""
+    print(line)
+    print("|" + "---|" * (line.count("|") - 1))
+
+
 def print_report(name: str, rep: dict) -> None:
     p = rep["params"]
     print(f"\n## {name}: {p['total_params_B']} B total ({p['total_with_mtp_B']} B with MTP), "
           f"{p['active_params_B']} B active, {rep['moe_layers']} MoE layers")
-    print("| kind | params (B) | " + " | ".join(k for k in next(iter(p["by_kind"].values())) if k != "params_B") + " |")
+    print_header("| kind | params (B) | " + " | ".join(k for k in next(iter(p["by_kind"].values())) if k != "params_B")
+                 + " |")
     for kind, row in p["by_kind"].items():
         print(f"| {kind} | " + " | ".join(str(v) for v in row.values()) + " |")
-    print("\n| layout | weights | KV | weights GiB/GPU | KV budget GiB | KV B/token | tokens/GPU | tokens (layout) "
-          f"| seqs@{CONTEXT // 1024}K (layout) |")
+    print()
+    print_header("| layout | weights | KV | weights GiB/GPU | KV budget GiB | KV B/token | tokens/GPU "
+                 f"| tokens (layout) | seqs@{CONTEXT // 1024}K (layout) |")
     for layout, body in rep["layouts"].items():
         for r in body["plans"]:
             print(f"| {layout} | {r['weights']} | {r['kv_cache_dtype']} | {r['weights_GiB']} | {r['kv_budget_GiB']} | "
                   f"{r['kv_bytes_per_token']} | {r['kv_tokens_per_gpu']:,} | {r['kv_tokens_layout']:,} | "
                   f"{r[f'seqs_at_{CONTEXT}_layout']} |")
-    print(f"\n| layout | a2a B/token/layer | a2a MiB/step @{SEQS_PER_GPU[0]} | @{SEQS_PER_GPU[1]} | "
-          f"allgather B/token/layer | allgather MiB/step @{SEQS_PER_GPU[0]} | @{SEQS_PER_GPU[1]} |")
+    print()
+    print_header(f"| layout | a2a B/token/layer | a2a MiB/step @{SEQS_PER_GPU[0]} | @{SEQS_PER_GPU[1]} | "
+                 f"allgather B/token/layer | allgather MiB/step @{SEQS_PER_GPU[0]} | @{SEQS_PER_GPU[1]} |")
     for layout, body in rep["layouts"].items():
         m, (a, b) = body["moe"], SEQS_PER_GPU
         print(f"| {layout} | {m['alltoall_B_per_token_layer']} | {m[f'alltoall_MiB_per_step_{a}']} | "
