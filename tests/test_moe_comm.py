@@ -155,8 +155,15 @@ def spawn_group(world: int, cases: list[Case], out_dir) -> list[dict]:
 
 
 def reference(case: Case) -> torch.Tensor:
+    """Single-process routed_experts with the ranks' one intra-op thread: the GEMM kernels (and so the last
+    bits of their results) depend on the thread count."""
     x, ids, weights, w13, w2 = make_data(case)
-    return routed_experts(x, ids, weights, w13, w2, case.limit)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return routed_experts(x, ids, weights, w13, w2, case.limit)
+    finally:
+        torch.set_num_threads(threads)
 
 
 def cases_for(world: int) -> list[Case]:
