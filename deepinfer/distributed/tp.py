@@ -209,21 +209,29 @@ class RowParallelLinear(nn.Module):
         return y if self.bias is None else y + self.bias
 
 
-class VocabParallelEmbedding(nn.Module):
-    """Embedding whose rows are split by vocab_range: a rank looks up the ids it holds, gives zeros for the
-    others, and the group all-reduces. Bit-identical to nn.Embedding: each output row has exactly one non-zero
-    contribution (x + 0 = x)."""
+class _VocabSharded(nn.Module):
+    """A [V, D] table whose rows are split by vocab_range: this rank holds rows `ids` of it."""
+
+    what = "table"  # names the tensor in errors
 
     def __init__(self, weight: torch.Tensor, vocab_size: int, group: dist.ProcessGroup | None):
         """From this rank's shard: rows vocab_range(vocab_size, tp) of the [V, D] table."""
         super().__init__()
         self.group, self.tp, self.vocab_size = group, TPRank.of(group), vocab_size
-        self.ids = _vocab_rows(weight, vocab_size, self.tp, "embedding")
+        self.ids = _vocab_rows(weight, vocab_size, self.tp, self.what)
         self.weight = nn.Parameter(weight, requires_grad=False)
 
     @classmethod
-    def from_full(cls, weight: torch.Tensor, group: dist.ProcessGroup | None = None) -> VocabParallelEmbedding:
+    def from_full(cls, weight: torch.Tensor, group: dist.ProcessGroup | None = None):
         return cls(vocab_shard(weight, TPRank.of(group)), weight.shape[0], group)
+
+
+class VocabParallelEmbedding(_VocabSharded):
+    """Embedding whose rows are split by vocab_range: a rank looks up the ids it holds, gives zeros for the
+    others, and the group all-reduces. Bit-identical to nn.Embedding: each output row has exactly one non-zero
+    contribution (x + 0 = x)."""
+
+    what = "embedding"
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         mine = (ids >= self.ids.start) & (ids < self.ids.stop)
@@ -236,22 +244,13 @@ class VocabParallelEmbedding(nn.Module):
         return self.weight.new_zeros(*ids.shape, self.weight.shape[1])
 
 
-class ParallelLMHead(nn.Module):
+class ParallelLMHead(_VocabSharded):
     """Logits x W^T with W [V, D] split by vocab_range. forward returns the full [..., V] logits: local logits
     are padded to ceil(V / T) columns, all-gathered (equal sizes) and the padding dropped. local_logits gives
     this rank's [..., len(vocab_range)] slice, for samplers that reduce over the vocab themselves. Columns are
     typically bit-identical to the unsharded GEMM (see ColumnParallelLinear)."""
 
-    def __init__(self, weight: torch.Tensor, vocab_size: int, group: dist.ProcessGroup | None):
-        """From this rank's shard: rows vocab_range(vocab_size, tp) of the [V, D] head."""
-        super().__init__()
-        self.group, self.tp, self.vocab_size = group, TPRank.of(group), vocab_size
-        self.ids = _vocab_rows(weight, vocab_size, self.tp, "LM head")
-        self.weight = nn.Parameter(weight, requires_grad=False)
-
-    @classmethod
-    def from_full(cls, weight: torch.Tensor, group: dist.ProcessGroup | None = None) -> ParallelLMHead:
-        return cls(vocab_shard(weight, TPRank.of(group)), weight.shape[0], group)
+    what = "LM head"
 
     def local_logits(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight)
