@@ -1,4 +1,4 @@
-"""Expert-parallel routed-expert dispatch/combine over torch.distributed (mechanism only; no model uses it yet).
+"""Expert-parallel routed-expert dispatch/combine over torch.distributed.
 
 Every rank holds a contiguous block of experts (``place_experts``). ``MoEComm.dispatch`` turns this rank's
 tokens into *local work*: one row per (token, k) pair that some rank must send through a local expert,
@@ -8,6 +8,11 @@ sorted by local expert id. The caller computes the unweighted expert output of e
 Invariants every implementation keeps:
 - Every rank enters every collective of a call, in the same order, whatever its token count; a rank with
   zero tokens (an idle DP rank) sends empty chunks and gets an empty [0, D] result.
+- A call's first collective (its header) carries the call's tag (its MoE layer). Ranks that have finished
+  their step's MoE calls (or had none) ``drain``: they join the others' rounds with empty batches, running
+  their local experts of the tagged layer for the active ranks' rows, until a header shows every rank
+  draining. So ranks whose steps make different numbers of MoE calls (an idle DP replica, a replica that
+  drafts with MTP while another does not) never deadlock: every rank ends every step with ``drain``.
 - A token's K contributions are added in ascending global expert id, in the activation dtype, like
   ``routed_experts``; only the cross-rank reduction of ``AllGatherComm`` may regroup them.
 - ``ep_routed_experts`` shapes a rank's expert GEMMs by the expert counts over all ranks (the single-process
@@ -22,7 +27,7 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -34,6 +39,7 @@ ID_DTYPE = torch.int32
 WEIGHT_DTYPE = torch.float32
 COUNT_DTYPE = torch.int64
 _ID_BYTES, _WEIGHT_BYTES, _COUNT_BYTES = 4, 4, 8
+HEADER_BYTES = 3 * _COUNT_BYTES  # allgather's header: token count and the round's tag (as max and -min)
 # torch 2.13 renamed the *_tensor collectives (same signatures) and deprecates the old names.
 _all_gather_single = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
@@ -128,6 +134,7 @@ class LocalWork:
     expert_ids: torch.Tensor  # [N] int64 local expert ids, non-decreasing
     plan_counts: torch.Tensor  # [E] pairs per global expert over all ranks: the single-process GEMM plan
     handle: object = None
+    tag: int = 0  # the MoE layer of the round (agreed by every active rank)
 
 
 class MoEComm(ABC):
@@ -143,13 +150,48 @@ class MoEComm(ABC):
     def local_experts(self) -> range:
         return self.placement.local_experts(self.rank)
 
+    def dispatch(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                 tag: int = 0) -> LocalWork:
+        """x [T, D], global topk ids/weights [T, K] of this rank's tokens -> rows for the local experts.
+
+        tag names the MoE layer (every active rank of a round passes the same one): a draining rank runs its
+        local experts of that layer on the rows it receives."""
+        return self._dispatch(x, topk_ids, topk_weights, tag)
+
     @abstractmethod
-    def dispatch(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> LocalWork:
-        """x [T, D], global topk ids/weights [T, K] of this rank's tokens -> rows for the local experts."""
+    def _dispatch(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                  tag: int | None) -> LocalWork | None:
+        """dispatch; tag None is a draining rank's dummy round. Returns None when every rank is draining."""
+
+    def drain(self, compute: Callable[[LocalWork], torch.Tensor], hidden: int, topk: int, dtype: torch.dtype,
+              device: torch.device | str = "cpu") -> int:
+        """Join the other ranks' remaining MoE calls with an empty batch until every rank drains (collective).
+
+        compute(work) runs this rank's experts of layer work.tag on work's rows (a drained round still
+        computes the local experts for the active ranks' tokens). hidden, topk and dtype are the real calls'.
+        Returns how many rounds this rank joined."""
+        x = torch.empty(0, hidden, dtype=dtype, device=device)
+        ids = torch.empty(0, topk, dtype=torch.long, device=device)
+        weights = torch.empty(0, topk, dtype=WEIGHT_DTYPE, device=device)
+        rounds = 0
+        while (work := self._dispatch(x, ids, weights, None)) is not None:
+            self.combine(work, compute(work))
+            rounds += 1
+        return rounds
 
     @abstractmethod
     def combine(self, work: LocalWork, out: torch.Tensor) -> torch.Tensor:
         """Unweighted expert outputs [N, D] of work's rows -> [T, D] weighted sums for this rank's tokens."""
+
+
+def _agreed_tag(high: int, low: int) -> int | None:
+    """The tag every active rank passed (None: no rank active). Differing tags mean the ranks' MoE calls went
+    out of step, which would silently mix layers: fail loudly instead."""
+    if high < 0:
+        return None
+    if high != low:
+        raise RuntimeError(f"expert-parallel ranks are in different MoE layers (tags {low} and {high})")
+    return high
 
 
 def _expert_order(flat_ids: torch.Tensor) -> torch.Tensor:
@@ -168,13 +210,15 @@ class LocalComm(MoEComm):
 
     name = "local"
 
-    def dispatch(self, x, topk_ids, topk_weights):
+    def _dispatch(self, x, topk_ids, topk_weights, tag):
+        if tag is None:  # no peers: nothing to drain
+            return None
         flat_ids = topk_ids.reshape(-1)
         order = _expert_order(flat_ids)
         token_of = order // topk_ids.shape[1]
         handle = (x.shape[0], token_of, topk_weights.reshape(-1)[order])
         plan = torch.bincount(flat_ids, minlength=self.placement.num_experts)
-        return LocalWork(x[token_of], flat_ids[order], plan, handle)
+        return LocalWork(x[token_of], flat_ids[order], plan, handle, tag)
 
     def combine(self, work, out):
         return _weighted_sum(*work.handle[:2], out, work.handle[2])
@@ -208,9 +252,11 @@ class AllGatherComm(_CollectiveComm):
             raise ValueError(f"unknown reduce {reduce!r}")
         self.reduce = reduce
 
-    def dispatch(self, x, topk_ids, topk_weights):
+    def _dispatch(self, x, topk_ids, topk_weights, tag):
         num_tokens, k = topk_ids.shape
-        tmax = self._max_tokens(num_tokens, x.device)
+        tmax, tag = self._header(num_tokens, tag, x.device)
+        if tag is None:
+            return None
         ids, weights, rows = self._gather(x, topk_ids, topk_weights, tmax)
         flat_ids = ids.reshape(-1).long()
         start, stop = self.local_experts.start, self.local_experts.stop
@@ -219,7 +265,7 @@ class AllGatherComm(_CollectiveComm):
         token_of = pairs // k
         handle = (num_tokens, tmax, token_of, weights.reshape(-1)[pairs])
         plan = torch.bincount(flat_ids[flat_ids >= 0], minlength=self.placement.num_experts)
-        return LocalWork(rows[token_of], flat_ids[pairs] - start, plan, handle)
+        return LocalWork(rows[token_of], flat_ids[pairs] - start, plan, handle, tag)
 
     def combine(self, work, out):
         num_tokens, tmax, token_of, weights = work.handle
@@ -228,11 +274,15 @@ class AllGatherComm(_CollectiveComm):
         mine = self._reduce(partial, tmax)
         return mine[:num_tokens]
 
-    def _max_tokens(self, num_tokens: int, device) -> int:
-        count = torch.tensor([num_tokens], dtype=COUNT_DTYPE, device=device)
-        self.payload_bytes += self.placement.ep_size * _COUNT_BYTES  # one count from every rank
-        dist.all_reduce(count, op=dist.ReduceOp.MAX, group=self.group)
-        return int(count.item())
+    def _header(self, num_tokens: int, tag: int | None, device) -> tuple[int, int | None]:
+        """(max token count, the active ranks' tag or None when all drain): one all_reduce (MAX) of
+        [count, tag, -tag], -1 and -2**62 standing in for a draining rank's tag."""
+        mine = [num_tokens, -1, -(2**62)] if tag is None else [num_tokens, tag, -tag]
+        head = torch.tensor(mine, dtype=COUNT_DTYPE, device=device)
+        self.payload_bytes += self.placement.ep_size * HEADER_BYTES
+        dist.all_reduce(head, op=dist.ReduceOp.MAX, group=self.group)
+        tmax, high, neg_low = head.tolist()
+        return tmax, _agreed_tag(high, -neg_low)
 
     def _gather(self, x, topk_ids, topk_weights, tmax):
         """All ranks' (ids, weights, x) as [world * Tmax, ...]; rank r's tokens start at row r * Tmax."""
@@ -272,10 +322,12 @@ class AllToAllComm(_CollectiveComm):
 
     name = "alltoall"
 
-    def dispatch(self, x, topk_ids, topk_weights):
+    def _dispatch(self, x, topk_ids, topk_weights, tag):
         flat_ids = topk_ids.reshape(-1)
+        counts, tag = self._exchange_counts(flat_ids, tag)
+        if tag is None:
+            return None
         order = _expert_order(flat_ids)
-        counts = self._exchange_counts(flat_ids)
         send_counts = [int(counts[self.rank, r.start:r.stop].sum()) for r in self._blocks()]
         recv_counts = counts[:, self.local_experts.start:self.local_experts.stop].sum(1).tolist()
         token_of = order // topk_ids.shape[1]
@@ -284,7 +336,7 @@ class AllToAllComm(_CollectiveComm):
         recv_ids, rows = unpack_rows(recv, [(ID_DTYPE, ()), (x.dtype, tuple(x.shape[1:]))])
         local_order = _expert_order(recv_ids)  # by local expert, ties by source rank then origin order
         handle = (x.shape[0], token_of, topk_weights.reshape(-1)[order], send_counts, recv_counts, local_order)
-        return LocalWork(rows[local_order], recv_ids[local_order].long(), counts.sum(0), handle)
+        return LocalWork(rows[local_order], recv_ids[local_order].long(), counts.sum(0), handle, tag)
 
     def combine(self, work, out):
         num_tokens, token_of, weights, send_counts, recv_counts, local_order = work.handle
@@ -296,14 +348,18 @@ class AllToAllComm(_CollectiveComm):
     def _blocks(self) -> list[range]:
         return [self.placement.local_experts(r) for r in range(self.placement.ep_size)]
 
-    def _exchange_counts(self, flat_ids: torch.Tensor) -> torch.Tensor:
-        """[world, E] pairs per (source rank, global expert): each rank sends its count row to every rank."""
+    def _exchange_counts(self, flat_ids: torch.Tensor, tag: int | None) -> tuple[torch.Tensor, int | None]:
+        """([world, E] pairs per (source rank, global expert), the active ranks' tag or None when all drain):
+        each rank sends its count row, its tag (-1: draining) appended, to every rank."""
         world, num_experts = self.placement.ep_size, self.placement.num_experts
         mine = torch.bincount(flat_ids, minlength=num_experts).to(COUNT_DTYPE)
-        counts = torch.empty(world * num_experts, dtype=COUNT_DTYPE, device=flat_ids.device)
+        row = torch.cat([mine, torch.tensor([-1 if tag is None else tag], dtype=COUNT_DTYPE, device=mine.device)])
+        counts = torch.empty(world * (num_experts + 1), dtype=COUNT_DTYPE, device=flat_ids.device)
         self.payload_bytes += counts.numel() * _COUNT_BYTES
-        dist.all_to_all_single(counts, mine.repeat(world), group=self.group)
-        return counts.reshape(world, num_experts)
+        dist.all_to_all_single(counts, row.repeat(world), group=self.group)
+        counts = counts.reshape(world, num_experts + 1)
+        tags = [t for t in counts[:, num_experts].tolist() if t >= 0]
+        return counts[:, :num_experts], _agreed_tag(max(tags, default=-1), min(tags, default=-1))
 
     def _all_to_all(self, send: torch.Tensor, send_counts: list[int], recv_counts: list[int]) -> torch.Tensor:
         """Rows of uint8 send [sum send_counts, B] to each rank; returns [sum recv_counts, B] by source rank."""
@@ -350,10 +406,12 @@ def bytes_moved(kind: str, tokens: int | Sequence[int], hidden: int, topk: int, 
     Each rank's chunk to itself is counted too (it crosses no wire), which makes this a pure function; the
     wire share is (world - 1) / world of it for allgather, and the same in expectation for alltoall under
     uniform routing. Per rank, with Tmax the max count and e = elem_size:
-    - allgather: 8 world (count all_reduce) + world Tmax (D e + 8 K) (every rank's rows, int32 ids, fp32
-      weights) + world Tmax D e (every rank's partial sums of this rank's rows: the reduce-scatter payload).
-    - alltoall: 8 world E (every rank's per-expert counts) + the rows of the pairs routed here, D e + 4 bytes
-      each, and on the way back D e per pair of this rank's own; summed over ranks both are sum(T) K pairs.
+    - allgather: 24 world (header all_reduce: count, tag, -tag) + world Tmax (D e + 8 K) (every rank's rows,
+      int32 ids, fp32 weights) + world Tmax D e (every rank's partial sums of this rank's rows: the
+      reduce-scatter payload).
+    - alltoall: 8 world (E + 1) (every rank's per-expert counts and tag) + the rows of the pairs routed here,
+      D e + 4 bytes each, and on the way back D e per pair of this rank's own; summed over ranks both are
+      sum(T) K pairs.
     - local: 0."""
     counts = [tokens] * world if isinstance(tokens, int) else list(tokens)
     if len(counts) != world:
@@ -363,8 +421,8 @@ def bytes_moved(kind: str, tokens: int | Sequence[int], hidden: int, topk: int, 
         return 0
     if kind == "allgather":
         tmax = max(counts)
-        per_rank = world * (_COUNT_BYTES + tmax * (row + topk * (_ID_BYTES + _WEIGHT_BYTES)) + tmax * row)
+        per_rank = world * (HEADER_BYTES + tmax * (row + topk * (_ID_BYTES + _WEIGHT_BYTES)) + tmax * row)
         return world * per_rank
     if kind == "alltoall":
-        return world * world * experts * _COUNT_BYTES + sum(counts) * topk * (2 * row + _ID_BYTES)
+        return world * world * (experts + 1) * _COUNT_BYTES + sum(counts) * topk * (2 * row + _ID_BYTES)
     raise ValueError(f"unknown comm kind {kind!r}")

@@ -1,4 +1,10 @@
-"""Copy checkpoint tensors into a model's parameters, stacking per-expert tensors."""
+"""Copy checkpoint tensors into a model's parameters, stacking per-expert tensors.
+
+Sharded models (tensor / expert parallelism): a parameter may carry ``load_shard``, a function from the full
+checkpoint tensor to the slice this rank stores; a stacked expert module may define ``local_index(expert)``
+(None: another rank holds it, the tensor is skipped) and ``shard_weight(tensor, half)``. So a rank copies only
+its own slices, one checkpoint tensor at a time.
+"""
 
 from __future__ import annotations
 
@@ -20,21 +26,35 @@ def _checkpoint_error(message: str) -> Exception:
     return CheckpointError(message)
 
 
-def _target(params: dict[str, torch.Tensor], name: str) -> tuple[str, torch.Tensor, tuple]:
-    """(parameter name, parameter, index into it) for a checkpoint tensor name."""
+def _target(model: nn.Module, params: dict[str, torch.Tensor], name: str,
+            tensor: torch.Tensor) -> tuple[str, torch.Tensor, tuple, torch.Tensor | None]:
+    """(parameter name, parameter, index into it, the tensor as this rank stores it or None to skip it) for a
+    checkpoint tensor."""
     m = _EXPERT.match(name)
     if m and m["leaf"] in EXPERT_LEAVES:
         stacked, half = EXPERT_LEAVES[m["leaf"]]
         pname = f"{m['prefix']}.{stacked}"
         if pname in params:
-            param, e = params[pname], int(m["idx"])
-            if half is None:
-                return pname, param, (e,)
-            inter = param.shape[1] // 2
-            return pname, param, (e, slice(half * inter, (half + 1) * inter))
+            return _expert_target(model.get_submodule(m["prefix"]), pname, params[pname], int(m["idx"]), half,
+                                  tensor)
     if name in params:
-        return name, params[name], ()
+        param = params[name]
+        shard = getattr(param, "load_shard", None)
+        return name, param, (), tensor if shard is None else shard(tensor)
     raise KeyError(name)
+
+
+def _expert_target(module: nn.Module, pname: str, param: torch.Tensor, expert: int, half: int | None,
+                   tensor: torch.Tensor):
+    if hasattr(module, "local_index"):
+        local = module.local_index(expert)
+        if local is None:
+            return pname, param, (), None
+        expert, tensor = local, module.shard_weight(tensor, half)
+    if half is None:
+        return pname, param, (expert,), tensor
+    inter = param.shape[1] // 2
+    return pname, param, (expert, slice(half * inter, (half + 1) * inter)), tensor
 
 
 def assign_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor, str]],
@@ -57,9 +77,12 @@ def _copy_all(model: nn.Module, params: dict, weights: Iterable[tuple[str, torch
     with torch.no_grad():
         for name, tensor, source in weights:
             try:
-                pname, param, index = _target(params, name)
+                pname, param, index, tensor = _target(model, params, name, tensor)
             except KeyError:
                 raise _checkpoint_error(f"{source}: unknown tensor {name!r} for {type(model).__name__}") from None
+            if tensor is None:  # another rank's expert
+                filled.setdefault(pname, 0)
+                continue
             dst = param[index] if index else param
             if tuple(dst.shape) != tuple(tensor.shape):
                 raise _checkpoint_error(f"{source}: tensor {name!r} has shape {tuple(tensor.shape)}, "

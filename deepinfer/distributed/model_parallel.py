@@ -1,0 +1,175 @@
+"""What a model needs to know about the ranks it runs on, and the routed-expert layer built on it.
+
+A model takes one ``ModelParallel`` (``ModelParallel.single()`` for one process) and builds its layers from it:
+attention heads and dense projections split over the TP group (``distributed/tp.py``), routed experts either
+sharded over the EP group (expert parallelism: whole experts per rank) or, without EP, split over the TP group
+along the intermediate dimension like a dense MLP.
+
+Invariants:
+- ``ParallelExperts.forward`` returns the complete routed sum for every row it was given, on every TP rank of
+  the replica (the replica's ranks hold the same hidden states).
+- With EP, every MoE layer registers a tag (its order of construction, the same on every rank). A rank whose
+  step makes fewer MoE calls than a peer's (an idle DP replica, a replica that drafts less) calls
+  ``finish_step``, which joins the remaining rounds with empty batches (``MoEComm.drain``): every rank calls it
+  at the end of every step, so the EP collectives always pair up.
+- With EP and TP > 1, each TP rank dispatches a contiguous 1/T block of the replica's rows (padded to
+  ceil(N / T) for the gather), so no (token, expert) pair is computed twice.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from deepinfer.distributed.backend import ParallelGroups
+from deepinfer.distributed.moe_comm import (
+    AllGatherComm,
+    AllToAllComm,
+    ExpertPlacement,
+    LocalComm,
+    LocalWork,
+    MoEComm,
+    _all_gather_single,
+    _local_expert_outputs,
+    ep_routed_experts,
+    place_experts,
+)
+from deepinfer.distributed.tp import TPRank, all_reduce
+from deepinfer.layers.moe import routed_experts
+
+COMM_KINDS = {"allgather": AllGatherComm, "alltoall": AllToAllComm}
+
+
+class ModelParallel:
+    """A rank's place in the model's parallel layout (a runtime handle, not a config: it holds process groups)."""
+
+    def __init__(self, tp_rank: int = 0, tp_size: int = 1, tp_group: dist.ProcessGroup | None = None,
+                 placement: ExpertPlacement | None = None, ep_rank: int = 0,
+                 ep_group: dist.ProcessGroup | None = None, comm_kind: str = "allgather"):
+        if comm_kind not in COMM_KINDS:
+            raise ValueError(f"unknown MoE comm {comm_kind!r}; choose one of {sorted(COMM_KINDS)}")
+        self.tp = TPRank(tp_rank, tp_size)
+        self.tp_group, self.placement, self.ep_rank, self.ep_group = tp_group, placement, ep_rank, ep_group
+        self.comm_kind = comm_kind
+        self._comm: MoEComm | None = None
+        self._experts: list[ParallelExperts] = []  # by tag
+
+    @classmethod
+    def single(cls) -> ModelParallel:
+        return cls()
+
+    @classmethod
+    def from_groups(cls, groups: ParallelGroups, num_experts: int, comm_kind: str = "allgather") -> ModelParallel:
+        """This rank's handle in a world whose groups backend.build_groups made (collective-free)."""
+        layout, rank = groups.layout, groups.rank
+        placement = None
+        if layout.ep_group is not None:
+            placement = place_experts(num_experts, len(layout.ep_group))
+        return cls(layout.tp_rank(rank), layout.parallel.tensor_parallel_size, groups.tp, placement,
+                   layout.ep_rank(rank) or 0, groups.ep, comm_kind)
+
+    @property
+    def is_single(self) -> bool:
+        return self.tp.size == 1 and self.placement is None
+
+    @property
+    def expert_parallel(self) -> bool:
+        return self.placement is not None
+
+    @property
+    def comm(self) -> MoEComm:
+        """The one dispatch/combine instance every MoE layer of the model shares (payload bytes add up)."""
+        if self._comm is None:
+            if self.placement is None:
+                self._comm = LocalComm(place_experts(1, 1))
+            else:
+                self._comm = COMM_KINDS[self.comm_kind](self.placement, self.ep_rank, self.ep_group)
+        return self._comm
+
+    def register(self, experts: ParallelExperts) -> int:
+        self._experts.append(experts)
+        return len(self._experts) - 1
+
+    def finish_step(self) -> int:
+        """End of a step (collective over the EP group): join peers' remaining MoE calls. Returns the rounds
+        joined; 0 without EP (TP-only ranks never wait on another replica)."""
+        if self.placement is None or not self._experts:
+            return 0
+        first = self._experts[0]
+        return self.comm.drain(self._drained_round, first.dim, first.topk, first.w13.dtype, first.w13.device)
+
+    def _drained_round(self, work: LocalWork) -> torch.Tensor:
+        return self._experts[work.tag].local_outputs(work)
+
+
+class ParallelExperts(nn.Module):
+    """One MoE layer's routed experts as this rank holds them: parameters w13 [E_local, 2 I_local, D] (gate rows
+    then up rows) and w2 [E_local, D, I_local], in the single-process layout of ``layers.moe``.
+
+    EP: E_local = the experts ``placement`` gives this rank, I_local = I. Otherwise E_local = E and I_local =
+    I / T (the gate and up halves are each split by rows, w2 by columns; partial sums are all-reduced)."""
+
+    def __init__(self, num_experts: int, dim: int, inter: int, topk: int, mp: ModelParallel, limit: float = 0.0):
+        super().__init__()
+        self.mp, self.num_experts, self.dim, self.topk, self.limit = mp, num_experts, dim, topk, limit
+        if mp.expert_parallel:
+            if mp.placement.num_experts != num_experts:
+                raise ValueError(f"expert placement is for {mp.placement.num_experts} experts, layer has {num_experts}")
+            self.local = mp.placement.local_experts(mp.ep_rank)
+            local_inter = inter
+        else:
+            if inter % mp.tp.size:
+                raise ValueError(f"moe_intermediate_size {inter} is not divisible by tensor-parallel size "
+                                 f"{mp.tp.size} (enable expert parallelism to keep experts whole)")
+            self.local, local_inter = range(num_experts), inter // mp.tp.size
+        self.w13 = nn.Parameter(torch.zeros(len(self.local), 2 * local_inter, dim))
+        self.w2 = nn.Parameter(torch.zeros(len(self.local), dim, local_inter))
+        self.tag = mp.register(self) if mp.expert_parallel else 0
+
+    def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        """sum_k weight_k * expert_{id_k}(x) for every row of x [N, D] (global ids [N, K])."""
+        mp = self.mp
+        if not mp.expert_parallel:
+            out = routed_experts(x, topk_ids, topk_weights, self.w13, self.w2, self.limit)
+            return all_reduce(out, mp.tp_group) if mp.tp.size > 1 else out
+        rows = token_block(x.shape[0], mp.tp)
+        work = mp.comm.dispatch(x[rows], topk_ids[rows], topk_weights[rows], self.tag)
+        mine = mp.comm.combine(work, self.local_outputs(work))
+        return gather_rows(mine, x.shape[0], mp.tp, mp.tp_group) if mp.tp.size > 1 else mine
+
+    def local_outputs(self, work: LocalWork) -> torch.Tensor:
+        """This rank's experts on a dispatched round's rows (unweighted), GEMMs shaped by the global plan."""
+        return _local_expert_outputs(work, self.w13, self.w2, self.limit)
+
+    # --- loading ----------------------------------------------------------------------------------
+    def local_index(self, expert: int) -> int | None:
+        """Row of w13 / w2 holding global expert `expert`, or None when another rank holds it."""
+        return expert - self.local.start if expert in self.local else None
+
+    def shard_weight(self, tensor: torch.Tensor, half: int | None) -> torch.Tensor:
+        """A checkpoint expert matrix as this rank stores it: w1 / w3 [I, D] (half 0 / 1) or w2 [D, I]."""
+        if self.mp.expert_parallel or self.mp.tp.size == 1:
+            return tensor
+        dim = 1 if half is None else 0
+        per = tensor.shape[dim] // self.mp.tp.size
+        return tensor.narrow(dim, self.mp.tp.rank * per, per).clone(memory_format=torch.contiguous_format)
+
+
+def token_block(num_rows: int, tp: TPRank) -> slice:
+    """The rows TP rank tp.rank dispatches: a contiguous block of ceil(N / T) (the last ones shorter or empty)."""
+    per = -(-num_rows // tp.size)
+    return slice(min(tp.rank * per, num_rows), min((tp.rank + 1) * per, num_rows))
+
+
+def gather_rows(mine: torch.Tensor, num_rows: int, tp: TPRank, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """Every TP rank's token_block rows back into [num_rows, D] (an equal-sized all-gather of padded blocks)."""
+    per = -(-num_rows // tp.size)
+    padded = mine.new_zeros(per, mine.shape[1])
+    padded[:mine.shape[0]] = mine
+    out = mine.new_empty(tp.size * per, mine.shape[1])
+    _all_gather_single(out, padded, group=group)
+    return out[:num_rows]
+
+
+__all__ = ["ModelParallel", "ParallelExperts", "ep_routed_experts", "gather_rows", "token_block"]
