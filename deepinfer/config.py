@@ -482,8 +482,23 @@ class EngineArgs:
     grammar_closing_margin: int = 4
     # {"method": "mtp" | "ngram" | "dspark", "num_speculative_tokens": k, ...} as a dict or JSON text; None: off
     speculative_config: str | dict | None = None
+    # Multi-rank engine (deepinfer/distributed, docs/parallelism.md); world = data x tensor parallel size.
+    tensor_parallel_size: int = 1
+    data_parallel_size: int = 1
+    enable_expert_parallel: bool = False
+    moe_comm: str = "allgather"  # expert-parallel dispatch/combine: allgather | alltoall
+    distributed_timeout_s: float = 60.0  # a collective, or the ranks' answer to a step, taking longer fails
+    distributed_workers: str = "spawn"  # spawn: this process starts one per rank | external: torchrun starts them
+    driver_address: str = "127.0.0.1:0"  # host:port the ranks reach this process at (0: any free port)
 
     def __post_init__(self):
+        _ = self.parallel  # validates the sizes
+        if self.moe_comm not in ("allgather", "alltoall"):
+            raise ValueError(f"moe_comm must be allgather or alltoall, got {self.moe_comm!r}")
+        if self.distributed_workers not in ("spawn", "external"):
+            raise ValueError(f"distributed_workers must be spawn or external, got {self.distributed_workers!r}")
+        if self.distributed_timeout_s <= 0:
+            raise ValueError(f"distributed_timeout_s must be > 0, got {self.distributed_timeout_s}")
         if self.grammar_compile_timeout_s <= 0:
             raise ValueError(f"grammar_compile_timeout_s must be > 0, got {self.grammar_compile_timeout_s}")
         if self.grammar_closing_margin < -1:
@@ -505,6 +520,10 @@ class EngineArgs:
     @property
     def speculative(self) -> SpeculativeConfig | None:
         return SpeculativeConfig.parse(self.speculative_config)
+
+    @property
+    def parallel(self) -> ParallelConfig:
+        return ParallelConfig(self.data_parallel_size, self.tensor_parallel_size, self.enable_expert_parallel)
 
     def scheduler_config(self, max_model_len: int) -> SchedulerConfig:
         return SchedulerConfig(max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,

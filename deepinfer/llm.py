@@ -11,7 +11,7 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from deepinfer.config import EngineArgs
-from deepinfer.engine.core import EngineCore
+from deepinfer.distributed.dp_engine import build_engine
 from deepinfer.engine.output_processor import OutputProcessor
 from deepinfer.outputs import RequestOutput
 from deepinfer.sampling_params import SamplingParams
@@ -50,11 +50,22 @@ class LLM:
         path, bundled = resolve_model(model)
         if bundled:
             print(f"deepinfer: using the bundled default model ({path.name})")
-        self.engine = EngineCore(path, EngineArgs.from_kwargs(**engine_options))
+        self.engine = build_engine(path, EngineArgs.from_kwargs(**engine_options))
         tok_dir = Path(tokenizer) if tokenizer else path
         self.tokenizer = Tokenizer.from_dir(tok_dir) if (tok_dir / "tokenizer.json").exists() else None
         self.processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
+
+    def shutdown(self) -> None:
+        """Stop the engine's worker thread and rank processes (also at `with` exit, garbage collection and
+        interpreter exit); idempotent."""
+        self.engine.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
 
     def get_tokenizer(self) -> Tokenizer | None:
         return self.tokenizer

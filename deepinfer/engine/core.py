@@ -20,49 +20,102 @@ from deepinfer.models.registry import default_block_size, model_class
 from deepinfer.request import Request, RequestStatus
 from deepinfer.sampling_params import SamplingParams
 from deepinfer.spec import build_proposer
-from deepinfer.worker.model_runner import ModelRunner, available_memory_bytes, plan_cache
+from deepinfer.worker.model_runner import CacheLayout, ModelRunner, available_memory_bytes, plan_cache
 
 logger = logging.getLogger("deepinfer")
 
 
 def load_model(path: str | Path, config: ModelConfig, dtype: torch.dtype, device: torch.device,
-               progress: bool = False) -> torch.nn.Module:
-    model = model_class(config)(config, dtype=dtype, device=device)
+               progress: bool = False, parallel=None) -> torch.nn.Module:
+    """The model, built as this rank holds it (parallel: a distributed.model_parallel.ModelParallel; None for
+    one process) and loaded from the checkpoint."""
+    extra = {} if parallel is None or parallel.is_single else {"parallel": parallel}
+    model = model_class(config)(config, dtype=dtype, device=device, **extra)
     model.load_weights(iter_checkpoint(path, config.model_type, progress=progress))
     return model.eval()
 
 
+def effective_args(args: EngineArgs | None) -> EngineArgs:
+    """Options that other options rule out, switched off once (and said so)."""
+    args = args or EngineArgs()
+    if args.speculative is not None and args.async_scheduling:
+        logger.info("speculative decoding runs synchronous steps: async scheduling is off")
+        args = replace(args, async_scheduling=False)
+    if args.parallel.world_size > 1 and args.async_scheduling:
+        logger.info("multi-rank engines run synchronous steps for now: async scheduling is off")
+        args = replace(args, async_scheduling=False)
+    return args
+
+
+def prepare_model(model: torch.nn.Module, args: EngineArgs) -> None:
+    model.kv_cache_dtype = args.kv_cache_dtype
+    if args.speculative is not None:  # rings keep room to roll back every draft of a step
+        model.num_lookahead_tokens = args.speculative.num_speculative_tokens
+
+
+def cache_specs(model: torch.nn.Module, args: EngineArgs, block_size: int):
+    """The model's cache tensors, and a draft MTP layer's own when it drafts."""
+    if args.speculative is not None and args.speculative.method == "mtp":
+        return model.kv_cache_spec(block_size, include_mtp=True)
+    return model.kv_cache_spec(block_size)
+
+
+def replay_tokens(model: torch.nn.Module, args: EngineArgs) -> int:
+    """A drafting MTP layer sits on top of the stack: one more window to rebuild at a prefix hit."""
+    replay = model.prefix_replay_tokens()
+    if replay and args.speculative is not None and args.speculative.method == "mtp":
+        replay += model.config.sliding_window - 1
+    return replay
+
+
+def plan_layout(model: torch.nn.Module, args: EngineArgs, max_model_len: int, device: torch.device) -> CacheLayout:
+    """Split this device's KV budget into blocks, state slots and snapshot rows."""
+    block_size = args.block_size or default_block_size(model.config)
+    specs = cache_specs(model, args, block_size)
+    budget = args.kv_cache_memory_bytes
+    if budget is None:
+        fraction = args.gpu_memory_utilization if device.type == "cuda" else args.cpu_kv_cache_fraction
+        budget = int(available_memory_bytes(device) * fraction)
+    useful = args.max_num_seqs * -(-max_model_len // block_size)
+    return plan_cache(specs, block_size, args.max_num_seqs, budget, useful, _num_snapshots(model, args, specs, budget))
+
+
+def _num_snapshots(model: torch.nn.Module, args: EngineArgs, specs, budget: int) -> int:
+    """State rows for prefix-hit snapshots: none for replay (or models without bounded state); `auto`
+    keeps them only while they cost at most a tenth of the KV budget."""
+    if not args.enable_prefix_caching or args.swa_restore == "replay" or not model.prefix_replay_tokens():
+        return 0
+    count = args.num_prefix_snapshots or 2 * args.max_num_seqs
+    per_slot = sum(s.bytes_per_unit for s in specs if s.kind == "state")
+    return count if args.swa_restore == "snapshot" or count * per_slot <= budget // 10 else 0
+
+
 class EngineCore:
-    def __init__(self, model: str | Path, args: EngineArgs | None = None):
-        args = args or EngineArgs()
-        if args.speculative is not None and args.async_scheduling:
-            logger.info("speculative decoding runs synchronous steps: async scheduling is off")
-            args = replace(args, async_scheduling=False)
+    """One scheduler and KV manager. `runner` None: the model runs in this process; otherwise a remote runner
+    (distributed.executor.ReplicaRunner) standing for a DP replica's ranks, with its `layout` and
+    `replay_tokens` already agreed by them."""
+
+    def __init__(self, model: str | Path, args: EngineArgs | None = None, runner=None):
+        args = effective_args(args)
         self.args = args
         self.model_path = Path(model)
         self.structured = None  # StructuredOutputManager, created with the first constrained request
         self.device = torch.device(args.device)
         self.model_config = ModelConfig.from_hf(model)
         self.dtype = resolve_dtype(args.dtype, self.model_config.hf_dtype, self.device.type)
-        torch.manual_seed(args.seed)
-        self.model = load_model(model, self.model_config, self.dtype, self.device, args.load_progress)
-        self.model.kv_cache_dtype = args.kv_cache_dtype
         self.speculative = args.speculative
-        if self.speculative is not None:  # rings keep room to roll back every draft of a step
-            self.model.num_lookahead_tokens = self.speculative.num_speculative_tokens
-        self.proposer = build_proposer(self.speculative, self.model, model)
         self.max_model_len = args.max_model_len or self.model_config.max_position
-        self.layout = self._plan_cache()
+        if runner is None:
+            runner = self._local_runner(model)
+        self.runner, self.layout = runner, runner.layout
         logger.info(self.layout.describe())
         if self.layout.num_tokens < self.max_model_len:
             logger.warning("the KV cache holds %d tokens, fewer than max_model_len %d: outputs are capped to fit",
                            self.layout.num_tokens, self.max_model_len)
-        self.runner = ModelRunner(self.model, self.layout, self.device, args.deterministic, args.seed,
-                                  self.proposer, self._cache_specs(self.layout.block_size))
         self.kv = KVCacheManager(self.layout.num_blocks, self.layout.block_size, self.layout.num_state_slots,
                                  args.enable_prefix_caching, self.layout.num_snapshot_slots)
         self.scheduler = Scheduler(args.scheduler_config(self.max_model_len), self.kv, self.max_model_len,
-                                   replay_tokens=self._replay_tokens(), speculative=self.speculative)
+                                   replay_tokens=runner.replay_tokens, speculative=self.speculative)
         self.last_result = RunnerOutput()
         self.last_scheduled = SchedulerOutput()
         # Async scheduling: forwards run in order on one worker thread; `in_flight` is the step submitted
@@ -72,39 +125,17 @@ class EngineCore:
         if self.speculative is not None and self.speculative.verify_policy == "adaptive":
             calibrate_speculation(self)
 
-    def _cache_specs(self, block_size: int):
-        """The model's cache tensors, and a draft MTP layer's own when it drafts."""
-        if self.speculative is not None and self.speculative.method == "mtp":
-            return self.model.kv_cache_spec(block_size, include_mtp=True)
-        return self.model.kv_cache_spec(block_size)
-
-    def _replay_tokens(self) -> int:
-        """A drafting MTP layer sits on top of the stack: one more window to rebuild at a prefix hit."""
-        replay = self.model.prefix_replay_tokens()
-        if replay and self.speculative is not None and self.speculative.method == "mtp":
-            replay += self.model_config.sliding_window - 1
-        return replay
-
-    def _plan_cache(self):
-        block_size = self.args.block_size or default_block_size(self.model_config)
-        specs = self._cache_specs(block_size)
-        budget = self.args.kv_cache_memory_bytes
-        if budget is None:
-            cuda = self.device.type == "cuda"
-            fraction = self.args.gpu_memory_utilization if cuda else self.args.cpu_kv_cache_fraction
-            budget = int(available_memory_bytes(self.device) * fraction)
-        useful = self.args.max_num_seqs * -(-self.max_model_len // block_size)
-        return plan_cache(specs, block_size, self.args.max_num_seqs, budget, useful, self._num_snapshots(specs, budget))
-
-    def _num_snapshots(self, specs, budget: int) -> int:
-        """State rows for prefix-hit snapshots: none for replay (or models without bounded state); `auto`
-        keeps them only while they cost at most a tenth of the KV budget."""
+    def _local_runner(self, model: str | Path) -> ModelRunner:
         args = self.args
-        if not args.enable_prefix_caching or args.swa_restore == "replay" or not self.model.prefix_replay_tokens():
-            return 0
-        count = args.num_prefix_snapshots or 2 * args.max_num_seqs
-        per_slot = sum(s.bytes_per_unit for s in specs if s.kind == "state")
-        return count if args.swa_restore == "snapshot" or count * per_slot <= budget // 10 else 0
+        torch.manual_seed(args.seed)
+        self.model = load_model(model, self.model_config, self.dtype, self.device, args.load_progress)
+        prepare_model(self.model, args)
+        self.proposer = build_proposer(self.speculative, self.model, model)
+        layout = plan_layout(self.model, args, self.max_model_len, self.device)
+        runner = ModelRunner(self.model, layout, self.device, args.deterministic, args.seed, self.proposer,
+                             cache_specs(self.model, args, layout.block_size))
+        runner.replay_tokens = replay_tokens(self.model, args)
+        return runner
 
     # --- requests ------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
@@ -182,16 +213,25 @@ class EngineCore:
         if self._worker is not None:
             return self._step_async()
         started = time.perf_counter()
-        failed = self._fail_grammars()
-        out = self.last_scheduled = self.scheduler.schedule()
+        failed, out = self.begin_step()
         if out.is_empty:
             self.last_result = RunnerOutput()
             return failed
-        if self.structured is not None:  # filled on a worker thread while the forward runs
+        return failed + self.end_step(out, self.runner.execute(out), started)
+
+    def begin_step(self) -> tuple[list[Request], SchedulerOutput]:
+        """Synchronous step, first half: requests failed before scheduling, and what to compute."""
+        failed = self._fail_grammars()
+        out = self.last_scheduled = self.scheduler.schedule()
+        if not out.is_empty and self.structured is not None:  # filled on a worker thread while the forward runs
             out.grammar_bitmask = self.structured.fill_async(_sampling_requests(out), _drafts(out))
-        self.last_result = self.runner.execute(out)
-        touched = failed + self.scheduler.update(out, self.last_result)
-        self.scheduler.record_step(out, self.last_result, time.perf_counter() - started)
+        return failed, out
+
+    def end_step(self, out: SchedulerOutput, result: RunnerOutput, started: float) -> list[Request]:
+        """Synchronous step, second half: fold the runner's result in; returns the requests it changed."""
+        self.last_result = result
+        touched = self.scheduler.update(out, result)
+        self.scheduler.record_step(out, result, time.perf_counter() - started)
         return touched
 
     def _fail_grammars(self) -> list[Request]:
@@ -247,7 +287,10 @@ class EngineCore:
             raise
 
     def shutdown(self) -> None:
-        """Finish the step in flight (its tokens are dropped) and stop the worker thread."""
+        """Finish the step in flight (its tokens are dropped), stop the worker thread and any ranks."""
+        close = getattr(self.runner, "close", None)
+        if close is not None:
+            close()
         if self._worker is not None:
             if self.in_flight is not None:
                 wait([self.in_flight[1]])

@@ -14,6 +14,7 @@ Invariants of the serving loop:
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import signal
@@ -25,6 +26,7 @@ import msgspec
 import zmq
 
 from deepinfer.config import EngineArgs
+from deepinfer.distributed.dp_engine import build_engine
 from deepinfer.engine.core import EngineCore
 from deepinfer.engine.messages import (
     AbortRequest,
@@ -125,6 +127,8 @@ class EngineLoop:
         try:
             touched = self.core.step()
         except Exception as e:
+            if getattr(e, "fatal", False):  # the engine cannot continue (a rank died): exit, the server reports it
+                raise
             return self._fail_step(before, e)
         return [self._output(req) for req in touched if req.request_id in self.samples]
 
@@ -176,7 +180,7 @@ class EngineLoop:
         logger.exception("engine step failed; failing the requests it scheduled")
         scheduled = self.core.last_scheduled
         if scheduled is before:  # schedule() itself raised: blame whatever was running
-            requests = list(self.core.scheduler.running)
+            requests = [r for core in replicas(self.core) for r in core.scheduler.running]
         else:
             requests = [s.request for s in scheduled.scheduled] + list(scheduled.fork_children)
         parents = dict.fromkeys(self.samples[r.request_id].parent_id for r in requests
@@ -198,13 +202,24 @@ class EngineLoop:
 
     # --- stats -----------------------------------------------------------------------------------
     def stats(self) -> EngineStats:
-        sched, kv = self.core.scheduler, self.core.kv
-        waiting = len(sched.waiting) + sum(len(s) for s in sched.pending_forks.values())
-        spec = sched.spec_stats
-        return EngineStats(len(sched.running), waiting, kv.usage(), kv.num_free_blocks, self.core.layout.num_blocks,
-                           self.prompt_tokens_total, self.generation_tokens_total, sched.num_preemptions, time.time(),
-                           kv.prefix_queries, kv.prefix_hits, spec.num_drafts, spec.num_draft_tokens,
-                           spec.num_accepted_tokens, list(spec.accepted_per_pos))
+        """Summed over DP replicas (one for most engines); kv usage is the busiest replica's."""
+        cores = replicas(self.core)
+        scheds, kvs = [c.scheduler for c in cores], [c.kv for c in cores]
+        waiting = sum(len(s.waiting) + sum(len(f) for f in s.pending_forks.values()) for s in scheds)
+        specs = [s.spec_stats for s in scheds]
+        accepted = [sum(x) for x in itertools.zip_longest(*(s.accepted_per_pos for s in specs), fillvalue=0)]
+        return EngineStats(sum(len(s.running) for s in scheds), waiting, max(kv.usage() for kv in kvs),
+                           sum(kv.num_free_blocks for kv in kvs), sum(c.layout.num_blocks for c in cores),
+                           self.prompt_tokens_total, self.generation_tokens_total,
+                           sum(s.num_preemptions for s in scheds), time.time(),
+                           sum(kv.prefix_queries for kv in kvs), sum(kv.prefix_hits for kv in kvs),
+                           sum(s.num_drafts for s in specs), sum(s.num_draft_tokens for s in specs),
+                           sum(s.num_accepted_tokens for s in specs), accepted)
+
+
+def replicas(core) -> list[EngineCore]:
+    """The EngineCores behind `core`: its DP replicas, or itself."""
+    return getattr(core, "replicas", [core])
 
 
 def ready_message(core: EngineCore) -> EngineReady:
@@ -277,7 +292,7 @@ class _Server:
 
 def build_core(model_path: str | None, engine_kwargs: dict) -> EngineCore:
     path, _ = resolve_model(model_path)
-    return EngineCore(path, EngineArgs.from_kwargs(**engine_kwargs))
+    return build_engine(path, EngineArgs.from_kwargs(**engine_kwargs))
 
 
 def run_engine(model_path: str | None, engine_kwargs: dict, input_addr: str, output_addr: str,

@@ -1,0 +1,163 @@
+"""One rank of a multi-rank engine: its model shard, cache and model runner, driven by the driver's step plans.
+
+A rank never schedules. It connects a ZeroMQ DEALER (identity ``rank{N}``) to the driver's ROUTER, reports its
+cache layout, then loops: receive a ReplicaPlan for its DP replica, run it through the ordinary ModelRunner (or
+nothing, when its replica is idle), join the step's remaining expert-parallel rounds (``finish_step``), and, on
+TP rank 0 of the replica, send the RunnerOutput back. TP peers compute the same logits (the LM head gathers
+them) and sample the same tokens (same generators, same RNG draws); only rank 0 reports.
+
+Started either by the engine (``distributed.launcher.WorkerGroup`` runs ``run_rank``) or by torchrun
+(``python -m deepinfer.distributed.worker --driver HOST:PORT ...``, the process group from torchrun's
+environment). A failure is reported to the driver (``("error", rank, traceback)``) before the rank exits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import pickle
+import traceback
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import zmq
+
+from deepinfer.config import EngineArgs, ModelConfig, resolve_dtype
+from deepinfer.distributed.backend import ParallelGroups, build_groups, init_from_env
+from deepinfer.distributed.layout import RankLayout, make_layout
+from deepinfer.distributed.model_parallel import ModelParallel
+from deepinfer.distributed.plan import MirrorBook, ReplicaPlan
+from deepinfer.engine.core import cache_specs, load_model, plan_layout, prepare_model, replay_tokens
+from deepinfer.spec import build_proposer
+from deepinfer.worker.model_runner import CacheLayout, ModelRunner
+
+logger = logging.getLogger("deepinfer")
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """Everything a rank needs, picklable: the checkpoint, the engine options, where the driver listens."""
+
+    model_path: str
+    args: EngineArgs
+    driver: str  # tcp://host:port
+
+
+@dataclass(frozen=True)
+class RankInfo:
+    """What a rank reports once ready; the driver checks every rank agrees."""
+
+    rank: int
+    layout: CacheLayout
+    replay_tokens: int
+    pid: int
+
+
+def run_rank(rank: int, layout: RankLayout, spec: WorkerSpec) -> None:
+    """WorkerGroup target (the default process group is up): build this rank and serve until told to stop."""
+    groups = build_groups(layout, spec.args.distributed_timeout_s)
+    RankWorker(groups, spec).serve()
+
+
+def rank_device(args: EngineArgs) -> torch.device:
+    """CUDA: this rank's local GPU; CPU: the CPU (intra-op threads shared out among the node's ranks)."""
+    if args.device.startswith("cuda"):
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", args.parallel.world_size))
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+    return torch.device("cpu")
+
+
+class RankWorker:
+    def __init__(self, groups: ParallelGroups, spec: WorkerSpec):
+        args, layout = spec.args, groups.layout
+        self.spec, self.groups, self.rank = spec, groups, groups.rank
+        self.dp_rank, self.tp_rank = layout.dp_rank(self.rank), layout.tp_rank(self.rank)
+        self.device = rank_device(args)
+        torch.manual_seed(args.seed)  # TP peers draw the same unseeded samples
+        config = ModelConfig.from_hf(spec.model_path)
+        dtype = resolve_dtype(args.dtype, config.hf_dtype, self.device.type)
+        parallel = ModelParallel.from_groups(groups, config.n_routed_experts or 1, args.moe_comm)
+        progress = args.load_progress and self.rank == 0
+        self.model = load_model(spec.model_path, config, dtype, self.device, progress, parallel)
+        prepare_model(self.model, args)
+        self.parallel = parallel
+        self.runner = self._runner(config, args)
+        self.book = MirrorBook()
+
+    def _runner(self, config: ModelConfig, args: EngineArgs) -> ModelRunner:
+        max_model_len = args.max_model_len or config.max_position
+        layout = agree_layout(plan_layout(self.model, args, max_model_len, self.device), self.groups.control)
+        proposer = build_proposer(args.speculative, self.model, self.spec.model_path)
+        return ModelRunner(self.model, layout, self.device, args.deterministic, args.seed, proposer,
+                           cache_specs(self.model, args, layout.block_size))
+
+    def info(self) -> RankInfo:
+        return RankInfo(self.rank, self.runner.layout, replay_tokens(self.model, self.spec.args), os.getpid())
+
+    # --- serving --------------------------------------------------------------------------------
+    def serve(self) -> None:
+        ctx = zmq.Context()
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.IDENTITY, f"rank{self.rank}".encode())
+        sock.setsockopt(zmq.LINGER, 2000)
+        sock.connect(self.spec.driver)
+        try:
+            sock.send(pickle.dumps(("ready", self.rank, self.info())))
+            self._loop(sock)
+        except BaseException:
+            sock.send(pickle.dumps(("error", self.rank, traceback.format_exc())))
+            raise
+        finally:
+            sock.close()
+            ctx.term()
+
+    def _loop(self, sock: zmq.Socket) -> None:
+        while True:
+            kind, step, plan = pickle.loads(sock.recv())
+            if kind == "stop":
+                return
+            result = self.execute(plan)
+            if self.tp_rank == 0:
+                sock.send(pickle.dumps(("result", step, self.dp_rank, result)))
+
+    def execute(self, plan: ReplicaPlan):
+        """Run this replica's plan (None when idle), then join the step's remaining EP rounds."""
+        out = self.book.decode(plan)
+        result = None if plan.is_idle else self.runner.execute(out)
+        self.parallel.finish_step()
+        return result
+
+
+def agree_layout(layout: CacheLayout, control: dist.ProcessGroup) -> CacheLayout:
+    """Every rank's cache layout shrunk to the smallest block and snapshot counts of the world (collective),
+    so one scheduler's block ids are valid on every rank."""
+    counts = torch.tensor([layout.num_blocks, layout.num_snapshot_slots], dtype=torch.long)
+    dist.all_reduce(counts, op=dist.ReduceOp.MIN, group=control)
+    blocks, snapshots = counts.tolist()
+    return replace(layout, num_blocks=blocks, num_snapshot_slots=snapshots)
+
+
+# --- torchrun entry ---------------------------------------------------------------------------------
+def main(argv: list[str] | None = None) -> None:
+    """`torchrun ... -m deepinfer.distributed.worker --driver HOST:PORT --model PATH [engine options]`."""
+    from deepinfer.cli import add_engine_args, engine_kwargs
+    from deepinfer.llm import resolve_model
+
+    parser = argparse.ArgumentParser(prog="python -m deepinfer.distributed.worker")
+    parser.add_argument("--driver", required=True, metavar="HOST:PORT", help="the engine's --driver-address")
+    add_engine_args(parser)
+    ns = parser.parse_args(argv)
+    args = EngineArgs.from_kwargs(**engine_kwargs(ns))
+    path, _ = resolve_model(ns.model)
+    env = init_from_env(args.distributed_timeout_s)
+    layout = make_layout(args.parallel, env.world_size)
+    run_rank(env.rank, layout, WorkerSpec(str(Path(path)), args, f"tcp://{ns.driver}"))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
