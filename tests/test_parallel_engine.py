@@ -1,0 +1,200 @@
+"""The multi-rank engine (deepinfer/distributed): outputs identical to one process, rank lifetime, faults.
+
+Layouts run as real rank processes over gloo on this CPU. The single-process engine with the same options is
+the reference (it is itself checked against transformers in test_parity.py).
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import pytest
+import torch
+from tiny_models import make_reference, save_reference
+
+from deepinfer import LLM, SamplingParams
+from deepinfer.config import SchedulerConfig
+from deepinfer.distributed.dp_engine import pick_replica
+from deepinfer.distributed.executor import RanksFailed
+from deepinfer.distributed.plan import MirrorBook, PlanEncoder
+from deepinfer.engine.kv_cache import KVCacheManager
+from deepinfer.engine.outputs import RunnerOutput
+from deepinfer.engine.scheduler import Scheduler
+
+GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+SEEDED = SamplingParams(temperature=1.0, top_k=20, seed=7, max_tokens=10, ignore_eos=True)
+# Odd chunk budget (prefills split at odd points), prefix caching on, a small cache.
+OPTIONS = dict(block_size=16, max_num_batched_tokens=7, max_num_seqs=4, kv_cache_memory_bytes=16 * 2**20,
+               load_progress=False, distributed_timeout_s=30.0)
+LAYOUTS = {"dp2": dict(data_parallel_size=2)}
+
+
+def _prompts(seed: int, lengths: list[int]) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 512, (n,), generator=g).tolist() for n in lengths]
+
+
+def _tokens(outputs) -> list[list[int]]:
+    return [list(c.token_ids) for o in outputs for c in o.outputs]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie (exited, not yet reaped) counts as gone
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def _wait_gone(pids: list[int], timeout_s: float = 15.0) -> list[int]:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and any(_alive(p) for p in pids):
+        time.sleep(0.1)
+    return [p for p in pids if _alive(p)]
+
+
+def rank_pids(llm: LLM) -> list[int]:
+    engine = llm.engine
+    executor = engine.executor if hasattr(engine, "executor") else engine.runner.executor
+    return [executor.ranks[r].pid for r in sorted(executor.ranks)]
+
+
+@pytest.fixture(scope="module")
+def v4_ckpt(tmp_path_factory):
+    return save_reference(make_reference("v4", seed=21), tmp_path_factory.mktemp("v4par"))
+
+
+@pytest.fixture(scope="module")
+def reference(v4_ckpt):
+    llm = LLM(v4_ckpt, **OPTIONS)
+    yield llm
+    llm.shutdown()
+
+
+# --- pure parts -------------------------------------------------------------------------------------
+def test_pick_replica_prefers_the_least_loaded():
+    assert pick_replica([(2, 10), (1, 50)]) == 1
+    assert pick_replica([(1, 5), (1, 9)]) == 0
+    assert pick_replica([(0, 0), (0, 0)]) == 0
+
+
+def _scheduler(blocks: int = 32) -> Scheduler:
+    cfg = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=5, max_model_len=256)
+    return Scheduler(cfg, KVCacheManager(blocks, 4, 4, True), 256)
+
+
+def test_mirrors_follow_the_scheduler_through_chunks_outputs_and_finishes():
+    """Ranks rebuild each step's ScheduledRequests (same fields, same token history) from deltas alone."""
+    from deepinfer.request import Request
+
+    sched, encoder, book = _scheduler(), PlanEncoder(), MirrorBook()
+    reqs = [Request(f"r{i}", list(range(3, 3 + n)), SamplingParams(max_tokens=3), 3) for i, n in enumerate([7, 2])]
+    for req in reqs:
+        sched.add(req)
+    for step in range(12):
+        out = sched.schedule()
+        if out.is_empty:
+            break
+        plan = encoder.encode(out, set(sched.requests))
+        rebuilt = book.decode(plan)
+        for a, b in zip(out.scheduled, rebuilt.scheduled):
+            assert (a.num_new_tokens, a.block_ids, a.start, a.samples, a.write_from) == \
+                (b.num_new_tokens, b.block_ids, b.start, b.samples, b.write_from)
+            assert a.request.token_ids(0, a.request.num_tokens) == b.request.token_ids(0, b.request.num_tokens)
+        sampled = {s.request.request_id: 100 + step for s in out.scheduled if s.samples}
+        sched.update(out, RunnerOutput(sampled=sampled))
+    assert not sched.has_unfinished
+    book.decode(encoder.encode(sched.schedule(), set(sched.requests)))
+    assert book.requests == {} and encoder.synced == {}  # finished requests' mirrors are dropped
+
+
+# --- parity ----------------------------------------------------------------------------------------
+@pytest.fixture(scope="module", params=list(LAYOUTS))
+def parallel_llm(request, v4_ckpt):
+    llm = LLM(v4_ckpt, **OPTIONS, **LAYOUTS[request.param])
+    yield llm
+    llm.shutdown()
+
+
+def test_ragged_batch_matches_one_process(parallel_llm, reference):
+    prompts = _prompts(1, [13, 5, 30, 1, 22])
+    assert _tokens(parallel_llm.generate(prompts, GREEDY, use_tqdm=False)) == \
+        _tokens(reference.generate(prompts, GREEDY, use_tqdm=False))
+
+
+def test_one_request_leaves_a_replica_idle(parallel_llm, reference):
+    prompt = _prompts(2, [19])
+    assert _tokens(parallel_llm.generate(prompt, GREEDY, use_tqdm=False)) == \
+        _tokens(reference.generate(prompt, GREEDY, use_tqdm=False))
+
+
+def test_prefix_hits_and_seeded_samples_match(parallel_llm, reference):
+    """A shared 32-token prefix (two full blocks) is a hit the second time; seeded n=2 sampling draws the same
+    tokens as one process (each rank's mirror has the request's own generator)."""
+    base = _prompts(3, [40])[0]
+    prompts = [base[:32] + [7, 8, 9], base[:32] + [11]]
+    params = SamplingParams(n=2, temperature=1.0, top_k=20, seed=7, max_tokens=8, ignore_eos=True)
+    for _ in range(2):
+        got = _tokens(parallel_llm.generate(prompts, params, use_tqdm=False))
+        assert got == _tokens(reference.generate(prompts, params, use_tqdm=False))
+    hits = sum(core.kv.prefix_hits for core in parallel_llm.engine.replicas)
+    assert hits > 0
+
+
+# --- lifetime --------------------------------------------------------------------------------------
+def test_ranks_stop_on_shutdown_with_and_garbage_collection(v4_ckpt):
+    llm = LLM(v4_ckpt, **OPTIONS, data_parallel_size=2)
+    pids = rank_pids(llm)
+    llm.shutdown()
+    assert _wait_gone(pids) == []
+    with LLM(v4_ckpt, **OPTIONS, data_parallel_size=2) as llm:
+        pids = rank_pids(llm)
+        assert all(_alive(p) for p in pids)
+    assert _wait_gone(pids) == []
+    llm = LLM(v4_ckpt, **OPTIONS, data_parallel_size=2)
+    pids = rank_pids(llm)
+    del llm
+    gc.collect()
+    assert _wait_gone(pids) == []
+
+
+def test_ranks_stop_at_interpreter_exit(v4_ckpt):
+    script = textwrap.dedent(f"""
+        from deepinfer import LLM
+        if __name__ == "__main__":
+            llm = LLM({str(v4_ckpt)!r}, load_progress=False, kv_cache_memory_bytes=2**24, data_parallel_size=2)
+            ex = llm.engine.executor
+            print(" ".join(str(i.pid) for i in ex.ranks.values()), flush=True)
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    pids = [int(p) for p in done.stdout.split()]
+    assert len(pids) == 2 and _wait_gone(pids) == []
+
+
+# --- faults ----------------------------------------------------------------------------------------
+def test_a_killed_rank_fails_the_engine_in_bounded_time(v4_ckpt):
+    llm = LLM(v4_ckpt, **OPTIONS, data_parallel_size=2)
+    pids = rank_pids(llm)
+    long = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
+    killer = threading.Timer(1.5, os.kill, (pids[1], signal.SIGKILL))
+    killer.start()
+    started = time.monotonic()
+    with pytest.raises(RanksFailed, match="rank 1"):
+        llm.generate(_prompts(4, [9, 12, 5]), long, use_tqdm=False)
+    assert time.monotonic() - started < 20
+    with pytest.raises(RanksFailed):  # dead for good: later calls fail at once
+        llm.generate(_prompts(5, [4]), GREEDY, use_tqdm=False)
+    llm.shutdown()
+    assert _wait_gone(pids) == []
