@@ -282,9 +282,12 @@ def _encode_add(request_id: str, prompt_token_ids: list[int], params: SamplingPa
 def _spawn(model: str | None, engine_kwargs: dict, input_addr: str, output_addr: str):
     """Start run_engine in a fresh interpreter ("spawn": no forked torch or event-loop state)."""
     level = logging.getLogger("deepinfer").getEffectiveLevel()
+    # A multi-rank engine starts its rank processes itself, which a daemonic process may not; it still exits
+    # with this process (run_engine watches its parent) and its ranks with it (they watch theirs).
+    ranks = engine_kwargs.get("tensor_parallel_size", 1) * engine_kwargs.get("data_parallel_size", 1)
     process = multiprocessing.get_context("spawn").Process(
         target=run_engine, args=(model, dict(engine_kwargs), input_addr, output_addr, os.getpid(), level),
-        name="deepinfer-engine", daemon=True)
+        name="deepinfer-engine", daemon=ranks == 1)
     process.start()
     return process
 

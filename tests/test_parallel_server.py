@@ -1,0 +1,70 @@
+"""`deepinfer serve` on several ranks: same tokens as one process through the official client, per-replica
+stats in /metrics, and a killed rank failing in-flight requests, /health 503 and a non-zero exit."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+
+import httpx
+import openai
+import pytest
+from test_server import _get_status, _sse_events, running_server, tiny_checkpoint
+
+from deepinfer import LLM, SamplingParams
+
+LAYOUT = ["--data-parallel-size", "2", "--distributed-timeout-s", "30"]
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return tiny_checkpoint(tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def server(ckpt, tmp_path_factory):
+    with running_server(ckpt, tmp_path_factory.mktemp("parlog") / "server.log", *LAYOUT) as srv:
+        yield srv
+
+
+def _rank_processes(pid: int) -> list[int]:
+    """The engine process's children but multiprocessing's resource tracker."""
+    with open(f"/proc/{pid}/task/{pid}/children") as f:
+        children = [int(p) for p in f.read().split()]
+    return [c for c in children if b"resource_tracker" not in open(f"/proc/{c}/cmdline", "rb").read()]
+
+
+def test_completions_match_one_process(server, ckpt):
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="none")
+    prompts = ["hello world", "the quick brown fox", "a"]
+    got = [client.completions.create(model=client.models.list().data[0].id, prompt=p, max_tokens=8,
+                                     temperature=0, extra_body={"ignore_eos": True}).choices[0].text
+           for p in prompts]
+    llm = LLM(ckpt, load_progress=False, kv_cache_memory_bytes=16 * 2**20, max_model_len=1024, block_size=16)
+    want = [o.outputs[0].text for o in llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8,
+                                                                             ignore_eos=True), use_tqdm=False)]
+    assert got == want
+    metrics = httpx.get(server.url + "/metrics").text
+    assert "deepinfer" in metrics
+
+
+def test_killed_rank_fails_requests_and_the_server_exits(server):
+    """Last test: SIGKILL one rank mid-stream."""
+    engine_pid = httpx.get(server.url + "/version").json()["engine_pid"]
+    ranks = _rank_processes(engine_pid)
+    assert len(ranks) == 2
+    body = {"prompt": "hello", "max_tokens": 200, "temperature": 0, "ignore_eos": True, "stream": True}
+    with httpx.Client(timeout=60) as http, http.stream("POST", server.url + "/v1/completions", json=body) as resp:
+        events = _sse_events(resp)
+        next(events)
+        os.kill(ranks[-1], signal.SIGKILL)
+        rest = list(events)
+    assert rest[-1] == "[DONE]" and "error" in json.loads(rest[-2])
+    statuses, t0 = [], time.monotonic()
+    while server.proc.poll() is None and time.monotonic() - t0 < 20:
+        statuses.append(_get_status(server.url + "/health"))
+        time.sleep(0.05)
+    assert server.proc.wait(5) != 0
+    assert time.monotonic() - t0 < 20
