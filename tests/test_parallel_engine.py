@@ -34,6 +34,7 @@ SEEDED = SamplingParams(temperature=1.0, top_k=20, seed=7, max_tokens=10, ignore
 OPTIONS = dict(block_size=16, max_num_batched_tokens=7, max_num_seqs=4, kv_cache_memory_bytes=16 * 2**20,
                load_progress=False, distributed_timeout_s=30.0)
 LAYOUTS = {"dp2": dict(data_parallel_size=2)}
+TORCHRUN_LAYOUT = dict(data_parallel_size=4)
 
 
 def _prompts(seed: int, lengths: list[int]) -> list[list[int]]:
@@ -198,3 +199,40 @@ def test_a_killed_rank_fails_the_engine_in_bounded_time(v4_ckpt):
         llm.generate(_prompts(5, [4]), GREEDY, use_tqdm=False)
     llm.shutdown()
     assert _wait_gone(pids) == []
+
+
+# --- torchrun ----------------------------------------------------------------------------------------
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_torchrun_nodes_of_two_ranks_serve_the_engine(v4_ckpt, reference):
+    """`torchrun` starts the ranks (2 "nodes" x 2 on loopback); the LLM is the driver they connect to."""
+    driver, master = _free_port(), _free_port()
+    layout = TORCHRUN_LAYOUT
+    flags = [f"--{k.replace('_', '-')}={v}" for k, v in layout.items()]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    nodes = [subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2",
+         "--node-rank", str(i), "--master-addr", "127.0.0.1", "--master-port", str(master),
+         "-m", "deepinfer.distributed.worker", "--driver", f"127.0.0.1:{driver}", "--model", str(v4_ckpt),
+         "--no-load-progress", f"--kv-cache-memory-bytes={16 * 2**20}", "--block-size=16", *flags],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        for i in (0, 1)]
+    try:
+        llm = LLM(v4_ckpt, load_progress=False, kv_cache_memory_bytes=16 * 2**20, block_size=16,
+                  distributed_workers="external", driver_address=f"127.0.0.1:{driver}", **layout)
+        prompts = _prompts(6, [11, 3, 17])
+        got = _tokens(llm.generate(prompts, GREEDY, use_tqdm=False))
+        llm.shutdown()
+        outs = [n.communicate(timeout=60)[0] for n in nodes]
+    finally:
+        for n in nodes:
+            if n.poll() is None:
+                os.killpg(n.pid, signal.SIGKILL)
+    assert [n.returncode for n in nodes] == [0, 0], outs
+    assert got == _tokens(reference.generate(prompts, GREEDY, use_tqdm=False))

@@ -159,5 +159,7 @@ def main(argv: list[str] | None = None) -> None:
     dist.destroy_process_group()
 
 
-if __name__ == "__main__":
-    main()
+if __name__ == "__main__":  # run the module under its import name, so what it pickles unpickles in the driver
+    from deepinfer.distributed import worker
+
+    worker.main()
