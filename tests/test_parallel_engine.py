@@ -66,8 +66,7 @@ def _wait_gone(pids: list[int], timeout_s: float = 15.0) -> list[int]:
 
 
 def rank_pids(llm: LLM) -> list[int]:
-    engine = llm.engine
-    executor = engine.executor if hasattr(engine, "executor") else engine.runner.executor
+    executor = llm.engine.executor
     return [executor.ranks[r].pid for r in sorted(executor.ranks)]
 
 
@@ -151,6 +150,12 @@ def test_prefix_hits_and_seeded_samples_match(parallel_llm, reference):
         assert got == _tokens(reference.generate(prompts, params, use_tqdm=False))
     hits = sum(core.kv.prefix_hits for core in parallel_llm.engine.replicas)
     assert hits > 0
+
+
+def test_rank_stats(parallel_llm):
+    stats = parallel_llm.engine.executor.rank_stats()
+    assert [s.rank for s in stats] == list(range(len(stats)))
+    assert all(s.steps > 0 and s.peak_rss_bytes > 0 and s.param_bytes > s.expert_param_bytes > 0 for s in stats)
 
 
 # --- lifetime --------------------------------------------------------------------------------------

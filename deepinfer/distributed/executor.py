@@ -26,7 +26,7 @@ from deepinfer.config import EngineArgs
 from deepinfer.distributed.launcher import WorkerGroup, WorkerOptions
 from deepinfer.distributed.layout import make_layout
 from deepinfer.distributed.plan import PlanEncoder, ReplicaPlan
-from deepinfer.distributed.worker import RankInfo, WorkerSpec, run_rank
+from deepinfer.distributed.worker import RankInfo, RankStats, WorkerSpec, run_rank
 from deepinfer.engine.outputs import RunnerOutput, SchedulerOutput
 
 logger = logging.getLogger("deepinfer")
@@ -144,6 +144,22 @@ class Executor:
         self.dead = f"multi-rank engine failed: {reason}"
         logger.error("%s", self.dead)
         raise RanksFailed(self.dead)
+
+    def rank_stats(self) -> list[RankStats]:
+        """Every rank's RankStats, in rank order (between steps)."""
+        if self.dead is not None:
+            raise RanksFailed(self.dead)
+        self.step_id += 1
+        payload = pickle.dumps(("stats", self.step_id, None))
+        for rank in range(self.layout.world_size):
+            self.sock.send_multipart([f"rank{rank}".encode(), payload])
+        stats: dict[int, RankStats] = {}
+        deadline = time.monotonic() + self.args.distributed_timeout_s
+        while len(stats) < self.layout.world_size:
+            kind, step, rank, value = self._receive(deadline, "a stats request")
+            if kind == "stats" and step == self.step_id:
+                stats[rank] = value
+        return [stats[r] for r in range(self.layout.world_size)]
 
     # --- shutdown -------------------------------------------------------------------------------
     def close(self) -> None:

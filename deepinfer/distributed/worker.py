@@ -17,6 +17,8 @@ import argparse
 import logging
 import os
 import pickle
+import resource
+import threading
 import traceback
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -24,6 +26,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import zmq
+from tqdm.std import tqdm
 
 from deepinfer.config import EngineArgs, ModelConfig, resolve_dtype
 from deepinfer.distributed.backend import ParallelGroups, build_groups, init_from_env
@@ -56,8 +59,24 @@ class RankInfo:
     pid: int
 
 
+@dataclass(frozen=True)
+class RankStats:
+    """One rank's footprint and traffic, for benchmarks and per-rank metrics."""
+
+    rank: int
+    dp_rank: int
+    tp_rank: int
+    param_bytes: int  # every parameter and buffer this rank holds
+    expert_param_bytes: int  # of which routed experts
+    peak_rss_bytes: int  # the process's peak resident set
+    moe_payload_bytes: int  # bytes expert-parallel collectives delivered to this rank so far
+    steps: int
+
+
 def run_rank(rank: int, layout: RankLayout, spec: WorkerSpec) -> None:
     """WorkerGroup target (the default process group is up): build this rank and serve until told to stop."""
+    # tqdm's default lock is a multiprocessing semaphore, which a rank (leaving through os._exit) would leak
+    tqdm.set_lock(threading.RLock())
     groups = build_groups(layout, spec.args.distributed_timeout_s)
     RankWorker(groups, spec).serve()
 
@@ -87,6 +106,7 @@ class RankWorker:
         self.parallel = parallel
         self.runner = self._runner(config, args)
         self.book = MirrorBook()
+        self.steps = 0
 
     def _runner(self, config: ModelConfig, args: EngineArgs) -> ModelRunner:
         max_model_len = args.max_model_len or config.max_position
@@ -120,9 +140,20 @@ class RankWorker:
             kind, step, plan = pickle.loads(sock.recv())
             if kind == "stop":
                 return
+            if kind == "stats":
+                sock.send(pickle.dumps(("stats", step, self.rank, self.stats())))
+                continue
             result = self.execute(plan)
+            self.steps += 1
             if self.tp_rank == 0:
                 sock.send(pickle.dumps(("result", step, self.dp_rank, result)))
+
+    def stats(self) -> RankStats:
+        tensors = list(self.model.parameters()) + list(self.model.buffers())
+        experts = [p for name, p in self.model.named_parameters() if name.endswith((".experts.w13", ".experts.w2"))]
+        moe = self.parallel.comm.payload_bytes if self.parallel.expert_parallel else 0
+        return RankStats(self.rank, self.dp_rank, self.tp_rank, _nbytes(tensors), _nbytes(experts),
+                         peak_rss_bytes(), moe, self.steps)
 
     def execute(self, plan: ReplicaPlan):
         """Run this replica's plan (None when idle), then join the step's remaining EP rounds."""
@@ -130,6 +161,15 @@ class RankWorker:
         result = None if plan.is_idle else self.runner.execute(out)
         self.parallel.finish_step()
         return result
+
+
+def _nbytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident set size (Linux reports KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def agree_layout(layout: CacheLayout, control: dist.ProcessGroup) -> CacheLayout:

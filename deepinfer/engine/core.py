@@ -125,6 +125,11 @@ class EngineCore:
         if self.speculative is not None and self.speculative.verify_policy == "adaptive":
             calibrate_speculation(self)
 
+    @property
+    def executor(self):
+        """The ranks' distributed.executor.Executor, or None when the model runs in this process."""
+        return getattr(self.runner, "executor", None)
+
     def _local_runner(self, model: str | Path) -> ModelRunner:
         args = self.args
         torch.manual_seed(args.seed)
