@@ -17,6 +17,7 @@ from deepinfer.engine.scheduler import Scheduler
 from deepinfer.engine.spec_calibration import calibrate_speculation
 from deepinfer.models.loader import iter_checkpoint
 from deepinfer.models.registry import default_block_size, model_class
+from deepinfer.models.weights import wanted_names
 from deepinfer.request import Request, RequestStatus
 from deepinfer.sampling_params import SamplingParams
 from deepinfer.spec import build_proposer
@@ -28,7 +29,8 @@ logger = logging.getLogger("deepinfer")
 def load_model(path: str | Path, config: ModelConfig, dtype: torch.dtype, device: torch.device,
                progress: bool = False) -> torch.nn.Module:
     model = model_class(config)(config, dtype=dtype, device=device)
-    model.load_weights(iter_checkpoint(path, config.model_type, progress=progress))
+    # A sharded model's rank reads only the tensors it stores; a single-process model wants every tensor.
+    model.load_weights(iter_checkpoint(path, config.model_type, progress=progress, wanted=wanted_names(model)))
     return model.eval()
 
 
