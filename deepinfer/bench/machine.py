@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import platform
+import sys
 from pathlib import Path
 
 import torch
@@ -37,3 +38,12 @@ def machine_facts() -> dict:
     if torch.cuda.is_available():
         facts["accelerator"] = torch.cuda.get_device_name(0)
     return facts
+
+
+def peak_rss_bytes(children: bool = False) -> int:
+    """Peak resident set size so far of this process (or, with `children`, of its largest waited-for child), in
+    bytes. getrusage's ru_maxrss is KiB on Linux and bytes on macOS; the peak never decreases."""
+    import resource  # Unix only: imported where it is used
+
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN if children else resource.RUSAGE_SELF)
+    return usage.ru_maxrss * (1 if sys.platform == "darwin" else 1024)

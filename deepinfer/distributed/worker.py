@@ -17,7 +17,6 @@ import argparse
 import logging
 import os
 import pickle
-import resource
 import threading
 import traceback
 from dataclasses import dataclass, replace
@@ -28,6 +27,7 @@ import torch.distributed as dist
 import zmq
 from tqdm.std import tqdm
 
+from deepinfer.bench.machine import peak_rss_bytes
 from deepinfer.config import EngineArgs, ModelConfig, resolve_dtype
 from deepinfer.distributed.backend import ParallelGroups, build_groups, init_from_env
 from deepinfer.distributed.layout import RankLayout, make_layout
@@ -165,11 +165,6 @@ class RankWorker:
 
 def _nbytes(tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
-
-
-def peak_rss_bytes() -> int:
-    """This process's peak resident set size (Linux reports KiB)."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def agree_layout(layout: CacheLayout, control: dist.ProcessGroup) -> CacheLayout:

@@ -17,6 +17,7 @@ from deepinfer.engine.scheduler import Scheduler
 from deepinfer.engine.spec_calibration import calibrate_speculation
 from deepinfer.models.loader import iter_checkpoint
 from deepinfer.models.registry import default_block_size, model_class
+from deepinfer.models.weights import wanted_names
 from deepinfer.request import Request, RequestStatus
 from deepinfer.sampling_params import SamplingParams
 from deepinfer.spec import build_proposer
@@ -31,7 +32,8 @@ def load_model(path: str | Path, config: ModelConfig, dtype: torch.dtype, device
     one process) and loaded from the checkpoint."""
     extra = {} if parallel is None or parallel.is_single else {"parallel": parallel}
     model = model_class(config)(config, dtype=dtype, device=device, **extra)
-    model.load_weights(iter_checkpoint(path, config.model_type, progress=progress))
+    # A sharded model's rank reads only the tensors it stores; a single-process model wants every tensor.
+    model.load_weights(iter_checkpoint(path, config.model_type, progress=progress, wanted=wanted_names(model)))
     return model.eval()
 
 

@@ -8,7 +8,9 @@ Invariants:
   * a header pass over every shard runs before any tensor data is read, so pairing/naming problems
     (a weight without its scale, a missing shard, two tensors with one canonical name) fail fast;
   * at most one shard is open at a time; only a quantised weight or scale whose partner lives in a later
-    shard is held back, until that partner arrives.
+    shard is held back, until that partner arrives;
+  * with `wanted`, a tensor whose canonical name is not wanted is never read (nor its scale, nor
+    dequantised): a rank reads only the tensors it stores. The header pass still checks every tensor.
 """
 
 from __future__ import annotations
@@ -17,7 +19,8 @@ import json
 import math
 import os
 import re
-from collections.abc import Iterator
+import struct
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -235,6 +238,7 @@ def _require_2d(weight: torch.Tensor) -> None:
 class _Entry:
     file: Path
     dtype: str  # safetensors header dtype, e.g. "F8_E4M3"
+    nbytes: int  # bytes of its data in the file (from the header's data_offsets)
 
 
 def _open(file: Path):
@@ -245,15 +249,25 @@ def _open(file: Path):
 
 
 def _scan(files: list[Path]) -> dict[str, _Entry]:
-    """Every tensor's file and dtype, from the headers only. A name in two files is an error."""
+    """Every tensor's file, dtype and size, from the headers only. A name in two files is an error."""
     entries: dict[str, _Entry] = {}
     for file in files:
         with _open(file) as f:
+            sizes = _data_sizes(file)
             for name in f.keys():
                 if name in entries:
                     raise CheckpointError(f"{file}: tensor {name} is also in {entries[name].file}")
-                entries[name] = _Entry(file, f.get_slice(name).get_dtype())
+                entries[name] = _Entry(file, f.get_slice(name).get_dtype(), sizes[name])
     return entries
+
+
+def _data_sizes(file: Path) -> dict[str, int]:
+    """Tensor name -> data bytes, from the JSON header (u64 little-endian length, then the JSON) that
+    safe_open has already validated."""
+    with open(file, "rb") as f:
+        (length,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(length))
+    return {n: e["data_offsets"][1] - e["data_offsets"][0] for n, e in header.items() if n != "__metadata__"}
 
 
 def _check_index(root: Path, weight_map: dict[str, str], entries: dict[str, _Entry]) -> None:
@@ -325,9 +339,11 @@ class _Plan:
     block: tuple[int, int]
     partner: dict[str, str]  # quantised weight <-> its scale, both directions
     weights: frozenset[str]  # the quantised weights (keys of `partner` that are not scales)
+    read: dict[str, _Entry]  # the tensors to read: wanted ones and the scales of wanted quantised weights
 
 
-def _plan(path: str | os.PathLike, model_type: str, block: tuple[int, int]) -> _Plan:
+def _plan(path: str | os.PathLike, model_type: str, block: tuple[int, int],
+          wanted: Callable[[str], bool] | None) -> _Plan:
     root = Path(path)
     files, weight_map = _discover(root)
     entries = _scan(files)
@@ -336,45 +352,63 @@ def _plan(path: str | os.PathLike, model_type: str, block: tuple[int, int]) -> _
     pairs = _pair_quantised(entries)
     _check_unique(entries, set(pairs.values()), model_type)
     partner = {**pairs, **{s: w for w, s in pairs.items()}}
-    return _Plan(files, model_type, block, partner, frozenset(pairs))
+    read = _to_read(entries, pairs, model_type, wanted)
+    return _Plan(files, model_type, block, partner, frozenset(pairs), read)
+
+
+def _to_read(entries: dict[str, _Entry], pairs: dict[str, str], model_type: str,
+             wanted: Callable[[str], bool] | None) -> dict[str, _Entry]:
+    """The entries to read: a scale goes with its weight, everything else by its canonical name."""
+    if wanted is None:
+        return entries
+    scale_of = {s: w for w, s in pairs.items()}
+    return {n: e for n, e in entries.items() if wanted(canonical_name(scale_of.get(n, n), model_type))}
 
 
 def iter_checkpoint(path: str | os.PathLike, model_type: str, block_size: tuple[int, int] | None = None,
-                    progress: bool = False) -> Iterator[tuple[str, torch.Tensor, str]]:
-    """Yield `(canonical_name, tensor, file_name)` for every tensor of the checkpoint at `path`.
+                    progress: bool = False, wanted: Callable[[str], bool] | None = None,
+                    ) -> Iterator[tuple[str, torch.Tensor, str]]:
+    """Yield `(canonical_name, tensor, file_name)` for every tensor of the checkpoint at `path` whose
+    canonical name `wanted` accepts (default: all).
 
     Quantised weights come out float32 (FP8 with `block_size` blocks, default (128, 128), see
-    `quantization_block_size`; FP4 experts with 1x32 groups); their scales are not yielded.
-    `file_name` is the base name of the (weight's) shard. Discovery, header and pairing errors are raised
-    by this call, before any tensor data is read; read errors while iterating.
+    `quantization_block_size`; FP4 experts with 1x32 groups); their scales are not yielded. An unwanted
+    tensor is not read from disk, nor is its scale, nor is it dequantised. The progress bar counts the bytes
+    of the tensors read. `file_name` is the base name of the (weight's) shard. Discovery, header and pairing
+    errors (over every tensor, wanted or not) are raised by this call, before any tensor data is read; read
+    errors while iterating.
     """
     if model_type not in MODEL_TYPES:
         raise ValueError(f"unsupported model_type {model_type!r}; expected one of {MODEL_TYPES}")
     block = tuple(block_size) if block_size is not None else DEFAULT_BLOCK_SIZE
-    return _stream(_plan(path, model_type, block), progress)
+    return _stream(_plan(path, model_type, block, wanted), progress)
 
 
 def _stream(plan: _Plan, progress: bool) -> Iterator[tuple[str, torch.Tensor, str]]:
-    bar = tqdm(total=sum(f.stat().st_size for f in plan.files), unit="B", unit_scale=True,
-               desc=f"Loading {len(plan.files)} shard(s)", disable=not progress)
+    used = {e.file for e in plan.read.values()}
+    files = [f for f in plan.files if f in used]  # a shard with nothing wanted is not opened
+    bar = tqdm(total=sum(e.nbytes for e in plan.read.values()), unit="B", unit_scale=True,
+               desc=f"Loading {len(files)} shard(s)", disable=not progress)
     pending: dict[str, tuple[torch.Tensor, Path]] = {}  # pair halves whose partner has not arrived yet
-    for file in plan.files:
-        for name, tensor in _read_shard(file):
+    for file in files:
+        bar.set_postfix_str(file.name)
+        for name, tensor in _read_shard(file, plan.read):
+            bar.update(plan.read[name].nbytes)
             item = _match(name, tensor, file, plan, pending) if name in plan.partner else (name, tensor, file)
             if item is not None:
                 yield canonical_name(item[0], plan.model_type), item[1], item[2].name
-        bar.set_postfix_str(file.name)
-        bar.update(file.stat().st_size)
     bar.close()
     if pending:  # unreachable while the header pass is right; kept as the pairing invariant's guard
         name, (_, file) = next(iter(pending.items()))
         raise CheckpointError(f"{file}: {name} never met its partner {plan.partner[name]}")
 
 
-def _read_shard(file: Path) -> Iterator[tuple[str, torch.Tensor]]:
+def _read_shard(file: Path, read: dict[str, _Entry]) -> Iterator[tuple[str, torch.Tensor]]:
+    """The tensors of `file` that are in `read`, in the file's order; the others' data is never touched."""
     with _open(file) as f:
         for name in f.keys():
-            yield name, _get_tensor(f, file, name)
+            if name in read:
+                yield name, _get_tensor(f, file, name)
 
 
 def _get_tensor(handle, file: Path, name: str) -> torch.Tensor:

@@ -3,13 +3,14 @@
 Sharded models (tensor / expert parallelism): a parameter may carry ``load_shard``, a function from the full
 checkpoint tensor to the slice this rank stores; a stacked expert module may define ``local_index(expert)``
 (None: another rank holds it, the tensor is skipped) and ``shard_weight(tensor, half)``. So a rank copies only
-its own slices, one checkpoint tensor at a time.
+its own slices, one checkpoint tensor at a time. ``wanted_names(model)`` tells the loader, before it reads
+anything, which per-expert tensors the rank skips, so those are never read from disk nor dequantised.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
@@ -18,6 +19,28 @@ from torch import nn
 EXPERT_LEAVES = {"w1": ("w13", 0), "w3": ("w13", 1), "w2": ("w2", None),
                  "gate_proj": ("w13", 0), "up_proj": ("w13", 1), "down_proj": ("w2", None)}
 _EXPERT = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<idx>\d+)\.(?P<leaf>\w+)\.weight$")
+
+
+def wanted_names(model: nn.Module) -> Callable[[str], bool]:
+    """The `iter_checkpoint(wanted=...)` predicate for `model`: False only for a per-expert tensor
+    (`<prefix>.experts.N.<leaf>.weight`) whose module at `<prefix>.experts` defines `local_index` and returns
+    None for N (another rank holds expert N). Every other name, unknown ones included, is wanted, so the
+    model's own loading still sees and rejects unknown names. Without such modules everything is wanted."""
+    owners = {name: m for name, m in model.named_modules() if hasattr(m, "local_index")}
+
+    def wanted(name: str) -> bool:
+        m = _EXPERT.match(name)
+        owner = owners.get(m["prefix"]) if m and m["leaf"] in EXPERT_LEAVES else None
+        if owner is None or not _in_range(owner, int(m["idx"])):
+            return True  # not a sharded expert's tensor; an out-of-range expert is left to loading to reject
+        return owner.local_index(int(m["idx"])) is not None
+
+    return wanted
+
+
+def _in_range(module: nn.Module, expert: int) -> bool:
+    """Whether a sharded expert module's layer has global expert `expert` (unknown count: assume yes)."""
+    return expert < getattr(module, "num_experts", expert + 1)
 
 
 def _checkpoint_error(message: str) -> Exception:
@@ -46,7 +69,10 @@ def _target(model: nn.Module, params: dict[str, torch.Tensor], name: str,
 
 def _expert_target(module: nn.Module, pname: str, param: torch.Tensor, expert: int, half: int | None,
                    tensor: torch.Tensor):
-    if hasattr(module, "local_index"):
+    sharded = hasattr(module, "local_index")
+    if not (_in_range(module, expert) if sharded else expert < param.shape[0]):
+        raise KeyError(f"{pname}[{expert}]")  # an expert the layer does not have: an unknown tensor
+    if sharded:
         local = module.local_index(expert)
         if local is None:
             return pname, param, (), None
@@ -93,7 +119,7 @@ def _copy_all(model: nn.Module, params: dict, weights: Iterable[tuple[str, torch
 
 
 def _check_complete(model: nn.Module, params: dict, filled: dict[str, int]) -> None:
-    missing = [n for n in params if n not in filled]
+    missing = [n for n, p in params.items() if n not in filled and p.numel()]  # empty: e.g. a rank without experts
     partial = [n for n, p in params.items() if n.endswith((".w13", ".w2")) and n in filled
                and filled[n] < p.shape[0] * (2 if n.endswith(".w13") else 1)]
     if missing or partial:
