@@ -46,8 +46,13 @@ def test_completions_match_one_process(server, ckpt):
     want = [o.outputs[0].text for o in llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8,
                                                                              ignore_eos=True), use_tqdm=False)]
     assert got == want
-    metrics = httpx.get(server.url + "/metrics").text
-    assert "deepinfer" in metrics
+    deadline = time.monotonic() + 10  # the engine reports stats about once a second
+    while "rank_peak_rss_bytes" not in (metrics := httpx.get(server.url + "/metrics").text):
+        assert time.monotonic() < deadline, metrics
+        time.sleep(0.2)
+    for rank in (0, 1):
+        assert f'deepinfer:rank_steps_total{{dp_rank="{rank}",rank="{rank}",tp_rank="0"}}' in metrics
+        assert f'deepinfer:replica_num_requests_running{{dp_rank="{rank}"}}' in metrics
 
 
 def test_killed_rank_fails_requests_and_the_server_exits(server):

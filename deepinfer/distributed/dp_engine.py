@@ -66,13 +66,17 @@ class DPEngineCore:
     """EngineCore's interface over data_parallel_size replicas (synchronous steps only)."""
 
     def __init__(self, model: str | Path, args: EngineArgs, executor: Executor):
-        self.executor = executor
+        self._executor = executor
         self.replicas = [_replica(model, args, executor, d) for d in range(args.parallel.data_parallel_size)]
         first = self.replicas[0]
         self.args, self.model_config, self.max_model_len = first.args, first.model_config, first.max_model_len
         self.layout = first.layout  # per replica: every replica has the same cache
         self.owner: dict[str, int] = {}  # request and sample ids -> replica
         self.last_result, self.last_scheduled = RunnerOutput(), SchedulerOutput()
+
+    @property
+    def executor(self) -> Executor:
+        return self._executor
 
     # --- requests ------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
@@ -105,7 +109,7 @@ class DPEngineCore:
         touched = [req for failed, _ in halves for req in failed]
         steps = [None if out.is_empty else (out, set(core.scheduler.requests))
                  for core, (_, out) in zip(self.replicas, halves)]
-        results = self.executor.execute(steps) if any(steps) else [None] * len(steps)
+        results = self._executor.execute(steps) if any(steps) else [None] * len(steps)
         for core, (_, out), result in zip(self.replicas, halves, results):
             touched += core.end_step(out, result, started) if result is not None else []
         self._record(halves, results)
@@ -119,7 +123,7 @@ class DPEngineCore:
         self.last_result = merge_results([r for r in results if r is not None])
 
     def shutdown(self) -> None:
-        self.executor.close()
+        self._executor.close()
 
 
 def merge_scheduled(outs: list[SchedulerOutput]) -> SchedulerOutput:

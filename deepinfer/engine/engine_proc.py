@@ -37,6 +37,8 @@ from deepinfer.engine.messages import (
     EngineReady,
     EngineStats,
     LogprobEntry,
+    RankMetrics,
+    ReplicaMetrics,
     RequestError,
     ResetPrefixCache,
     Shutdown,
@@ -214,7 +216,23 @@ class EngineLoop:
                            sum(s.num_preemptions for s in scheds), time.time(),
                            sum(kv.prefix_queries for kv in kvs), sum(kv.prefix_hits for kv in kvs),
                            sum(s.num_drafts for s in specs), sum(s.num_draft_tokens for s in specs),
-                           sum(s.num_accepted_tokens for s in specs), accepted)
+                           sum(s.num_accepted_tokens for s in specs), accepted,
+                           [_replica_metrics(d, c) for d, c in enumerate(cores)] if len(cores) > 1 else [],
+                           _rank_metrics(self.core))
+
+
+def _replica_metrics(d: int, core: EngineCore) -> ReplicaMetrics:
+    sched = core.scheduler
+    return ReplicaMetrics(d, len(sched.running), len(sched.waiting), core.kv.usage())
+
+
+def _rank_metrics(core) -> list[RankMetrics]:
+    """Asked of the ranks between steps (one round trip per stats report)."""
+    executor = core.executor
+    if executor is None:
+        return []
+    return [RankMetrics(s.rank, s.dp_rank, s.tp_rank, s.param_bytes, s.expert_param_bytes, s.peak_rss_bytes,
+                        s.moe_payload_bytes, s.steps) for s in executor.rank_stats()]
 
 
 def replicas(core) -> list[EngineCore]:

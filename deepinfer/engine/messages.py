@@ -89,6 +89,28 @@ class EngineOutput(_Msg):
         return self.finish_reason is not None
 
 
+class RankMetrics(_Msg):
+    """One rank of a multi-rank engine (distributed.worker.RankStats)."""
+
+    rank: int
+    dp_rank: int
+    tp_rank: int
+    param_bytes: int
+    expert_param_bytes: int
+    peak_rss_bytes: int
+    moe_payload_bytes: int
+    steps: int
+
+
+class ReplicaMetrics(_Msg):
+    """One DP replica's scheduler and KV cache."""
+
+    dp_rank: int
+    num_running: int
+    num_waiting: int
+    kv_usage: float
+
+
 class EngineStats(_Msg):
     num_running: int
     num_waiting: int
@@ -105,6 +127,8 @@ class EngineStats(_Msg):
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
     spec_accepted_per_pos: list[int] = []  # accepted drafts by position
+    replicas: list[ReplicaMetrics] = []  # per DP replica (one entry per replica when data_parallel_size > 1)
+    ranks: list[RankMetrics] = []  # per rank, multi-rank engines only
 
 
 class EngineOutputs(_Msg):

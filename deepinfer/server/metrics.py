@@ -53,6 +53,37 @@ class _EngineStatsCollector:
         for name, (doc, attr) in counters.items():
             yield CounterMetricFamily(PREFIX + name, doc, value=getattr(s, attr, 0))
         yield _accepted_per_position(s)
+        yield from _per_replica(getattr(s, "replicas", None) or [])
+        yield from _per_rank(getattr(s, "ranks", None) or [])
+
+
+def _per_replica(replicas) -> Iterator[Metric]:
+    """Each DP replica's own scheduler and cache (data_parallel_size > 1)."""
+    fields = {"replica_num_requests_running": ("requests running on the DP replica", "num_running"),
+              "replica_num_requests_waiting": ("requests waiting on the DP replica", "num_waiting"),
+              "replica_kv_cache_usage_perc": ("fraction of the DP replica's KV-cache blocks in use", "kv_usage")}
+    for name, (doc, attr) in fields.items():
+        gauge = GaugeMetricFamily(PREFIX + name, doc, labels=["dp_rank"])
+        for r in replicas:
+            gauge.add_metric([str(r.dp_rank)], getattr(r, attr))
+        yield gauge
+
+
+def _per_rank(ranks) -> Iterator[Metric]:
+    """Each rank's footprint and expert-parallel traffic (multi-rank engines)."""
+    labels = ["rank", "dp_rank", "tp_rank"]
+    gauges = {"rank_weight_bytes": ("bytes of weights the rank holds", "param_bytes"),
+              "rank_expert_weight_bytes": ("of which routed experts", "expert_param_bytes"),
+              "rank_peak_rss_bytes": ("the rank process's peak resident memory", "peak_rss_bytes")}
+    counters = {"rank_moe_payload_bytes": ("bytes expert-parallel collectives delivered to the rank",
+                                           "moe_payload_bytes"),
+                "rank_steps": ("steps the rank ran", "steps")}
+    for kind, table in ((GaugeMetricFamily, gauges), (CounterMetricFamily, counters)):
+        for name, (doc, attr) in table.items():
+            family = kind(PREFIX + name, doc, labels=labels)
+            for r in ranks:
+                family.add_metric([str(r.rank), str(r.dp_rank), str(r.tp_rank)], getattr(r, attr))
+            yield family
 
 
 def _accepted_per_position(s) -> Metric:
