@@ -17,7 +17,8 @@ import time
 
 import pytest
 import torch
-from tiny_models import make_reference, save_reference
+from test_spec_decode import _with_mtp
+from tiny_models import make_reference, save_reference, write_tokenizer
 
 from deepinfer import LLM, SamplingParams
 from deepinfer.config import SchedulerConfig
@@ -35,6 +36,7 @@ OPTIONS = dict(block_size=16, max_num_batched_tokens=7, max_num_seqs=4, kv_cache
                load_progress=False, distributed_timeout_s=30.0)
 LAYOUTS = {"dp2": dict(data_parallel_size=2)}
 TORCHRUN_LAYOUT = dict(data_parallel_size=4)
+SPEC_LAYOUT = dict(data_parallel_size=2)
 
 
 def _prompts(seed: int, lengths: list[int]) -> list[list[int]]:
@@ -72,7 +74,11 @@ def rank_pids(llm: LLM) -> list[int]:
 
 @pytest.fixture(scope="module")
 def v4_ckpt(tmp_path_factory):
-    return save_reference(make_reference("v4", seed=21), tmp_path_factory.mktemp("v4par"))
+    """Tiny V4 with MTP weights (official names) and a tokenizer."""
+    plain = save_reference(make_reference("v4", seed=21), tmp_path_factory.mktemp("v4par") / "plain")
+    path = _with_mtp(plain, tmp_path_factory.mktemp("v4parmtp") / "model")
+    write_tokenizer(path)
+    return path
 
 
 @pytest.fixture(scope="module")
@@ -150,6 +156,47 @@ def test_prefix_hits_and_seeded_samples_match(parallel_llm, reference):
         assert got == _tokens(reference.generate(prompts, params, use_tqdm=False))
     hits = sum(core.kv.prefix_hits for core in parallel_llm.engine.replicas)
     assert hits > 0
+
+
+def test_preemption_matches(v4_ckpt, reference):
+    """Six cache blocks per replica for requests of up to four: requests are preempted and recomputed."""
+    layout = reference.engine.layout
+    budget = OPTIONS["max_num_seqs"] * layout.bytes_per_slot + 6 * layout.bytes_per_block
+    options = {**OPTIONS, "kv_cache_memory_bytes": budget, "max_num_batched_tokens": 64}
+    prompts = _prompts(7, [20, 25, 18, 30, 22, 27])
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    with LLM(v4_ckpt, **options) as ref, LLM(v4_ckpt, **options, data_parallel_size=2) as llm:
+        assert _tokens(llm.generate(prompts, params, use_tqdm=False)) == \
+            _tokens(ref.generate(prompts, params, use_tqdm=False))
+        assert all(core.scheduler.num_preemptions > 0 for core in _replicas(llm))
+
+
+def test_structured_outputs_match(parallel_llm, reference):
+    """The driver fills the grammar bitmask; the ranks sample under it."""
+    from deepinfer import StructuredOutputsParams
+
+    params = SamplingParams(temperature=0, max_tokens=12,
+                            structured_outputs=StructuredOutputsParams(choice=["hello world", "the fox"]))
+    prompts = _prompts(8, [6, 9])
+    got = [o.outputs[0].text for o in parallel_llm.generate(prompts, params, use_tqdm=False)]
+    assert got == [o.outputs[0].text for o in reference.generate(prompts, params, use_tqdm=False)]
+    assert all(t in ("hello world", "the fox") for t in got)
+
+
+@pytest.mark.parametrize("method", ["mtp", "ngram"])
+def test_speculative_decoding_is_lossless(v4_ckpt, reference, method):
+    """Drafts on every rank (MTP runs its layer sharded like the rest); greedy tokens equal plain decoding."""
+    spec = {"method": method, "num_speculative_tokens": 2}
+    prompts = _prompts(9, [12, 4, 20])
+    with LLM(v4_ckpt, **OPTIONS, **SPEC_LAYOUT, speculative_config=spec) as llm:
+        got = _tokens(llm.generate(prompts, GREEDY, use_tqdm=False))
+        drafts = sum(core.scheduler.spec_stats.num_draft_tokens for core in _replicas(llm))
+    assert got == _tokens(reference.generate(prompts, GREEDY, use_tqdm=False))
+    assert drafts > 0
+
+
+def _replicas(llm: LLM) -> list:
+    return getattr(llm.engine, "replicas", [llm.engine])
 
 
 def test_rank_stats(parallel_llm):

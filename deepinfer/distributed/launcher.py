@@ -1,9 +1,9 @@
 """One process per rank on this machine, with bounded-time failure detection and no orphans.
 
-`WorkerGroup(target, parallel, args)` spawns world_size processes; each joins the process group (over a free
-loopback port, through the same environment variables torchrun sets) and runs `target(rank, layout, *args)`,
-an importable top-level function. Its return value comes back through `wait()`; afterwards the worker idles
-until `close()`, so rank 0's store stays up while slower ranks finish.
+`WorkerGroup(target, parallel, args)` spawns world_size processes; each joins the process group (through the
+rendezvous store the parent hosts on a loopback port, and the same environment variables torchrun sets) and runs
+`target(rank, layout, *args)`, an importable top-level function. Its return value comes back through `wait()`;
+afterwards the worker idles until `close()`.
 
 Two pipes per worker: control (parent -> worker: "stop"; EOF means the parent is gone) and report
 (worker -> parent: heartbeats, the result or the traceback). A monitor thread in the parent reads every report
@@ -28,6 +28,7 @@ import traceback
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 import torch.distributed as dist
@@ -143,6 +144,7 @@ def _start_daemon(fn: Callable[..., None], *args: Any) -> None:
 
 def _run_target(job: _Job, reporter: _Reporter, state: _WorkerState) -> None:
     os.environ.update(job.env.to_environ())
+    os.environ["TORCHELASTIC_USE_AGENT_STORE"] = "True"  # the parent hosts the store, as torchrun's agent does
     init_from_env(job.options.pg_timeout_s)
     result = job.target(job.env.rank, job.layout, *job.args)
     state.running = False
@@ -317,7 +319,11 @@ class WorkerGroup:
                  options: WorkerOptions | None = None, on_failure: Callable[[WorkerFailure], None] | None = None):
         self.layout = make_layout(parallel)
         self.options = options or WorkerOptions()
-        self.port = free_port(self.options.master_addr)
+        # The parent hosts the rendezvous store on a port the OS gives it while bound: no window in which another
+        # process could take a port picked for rank 0 (ranks connect as clients, like torchrun's workers).
+        self._store = dist.TCPStore(self.options.master_addr, 0, self.layout.world_size, is_master=True,
+                                    timeout=timedelta(seconds=self.options.pg_timeout_s), wait_for_workers=False)
+        self.port = self._store.port
         spawned = self._spawn_all(target, tuple(args))
         procs, ctrls, reports = (list(x) for x in zip(*spawned))
         self._sup = _Supervisor(procs, ctrls, reports, self.options, on_failure)
