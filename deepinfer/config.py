@@ -487,6 +487,8 @@ class EngineArgs:
     data_parallel_size: int = 1
     enable_expert_parallel: bool = False
     moe_comm: str = "allgather"  # expert-parallel dispatch/combine: allgather | alltoall
+    # split each step into two micro-batches whose MoE dispatch/combine overlaps the other's compute (EP, TP 1)
+    two_batch_overlap: bool = False
     distributed_timeout_s: float = 60.0  # a collective, or the ranks' answer to a step, taking longer fails
     distributed_workers: str = "spawn"  # spawn: this process starts one per rank | external: torchrun starts them
     driver_address: str = "127.0.0.1:0"  # host:port the ranks reach this process at (0: any free port)
@@ -497,6 +499,8 @@ class EngineArgs:
             raise ValueError(f"moe_comm must be allgather or alltoall, got {self.moe_comm!r}")
         if self.distributed_workers not in ("spawn", "external"):
             raise ValueError(f"distributed_workers must be spawn or external, got {self.distributed_workers!r}")
+        if self.two_batch_overlap:
+            self._check_two_batch_overlap()
         if self.distributed_timeout_s <= 0:
             raise ValueError(f"distributed_timeout_s must be > 0, got {self.distributed_timeout_s}")
         if self.grammar_compile_timeout_s <= 0:
@@ -520,6 +524,13 @@ class EngineArgs:
     @property
     def speculative(self) -> SpeculativeConfig | None:
         return SpeculativeConfig.parse(self.speculative_config)
+
+    def _check_two_batch_overlap(self) -> None:
+        if not self.enable_expert_parallel or self.tensor_parallel_size != 1:
+            raise ValueError("two_batch_overlap needs enable_expert_parallel and tensor_parallel_size 1 (it overlaps "
+                             "the expert-parallel collectives; TP collectives cannot run on two threads)")
+        if SpeculativeConfig.parse(self.speculative_config) is not None or self.deterministic:
+            raise ValueError("two_batch_overlap cannot be combined with speculative decoding or deterministic mode")
 
     @property
     def parallel(self) -> ParallelConfig:

@@ -96,6 +96,7 @@ class ParallelGroups:
     dp: dist.ProcessGroup
     ep: dist.ProcessGroup | None
     control: dist.ProcessGroup
+    ep_lanes: tuple[dist.ProcessGroup, ...] = ()  # more EP groups, one per extra overlap lane (two-batch overlap)
 
 
 def _new_groups(groups: tuple[Ranks, ...], rank: int, timeout: timedelta) -> dist.ProcessGroup:
@@ -107,11 +108,12 @@ def _new_groups(groups: tuple[Ranks, ...], rank: int, timeout: timedelta) -> dis
     return mine
 
 
-def build_groups(layout: RankLayout, timeout_s: float = 600.0) -> ParallelGroups:
+def build_groups(layout: RankLayout, timeout_s: float = 600.0, ep_lanes: int = 1) -> ParallelGroups:
     """The TP, DP, EP and control groups of this rank.
 
     Invariant: dist.new_group is collective over the whole world, so every rank creates every group, including
-    the ones it is not in, in one fixed order: all TP groups, all DP groups, the EP group, the control group.
+    the ones it is not in, in one fixed order: all TP groups, all DP groups, the EP group, the control group,
+    then `ep_lanes - 1` more EP groups (concurrent collectives need a group each).
     All ranks must call build_groups together, with the same layout."""
     rank, timeout = dist.get_rank(), timedelta(seconds=timeout_s)
     if dist.get_world_size() != layout.world_size:
@@ -120,7 +122,8 @@ def build_groups(layout: RankLayout, timeout_s: float = 600.0) -> ParallelGroups
     dp = _new_groups(layout.dp_groups, rank, timeout)
     ep = None if layout.ep_group is None else _new_groups((layout.ep_group,), rank, timeout)
     control = dist.new_group(list(range(layout.world_size)), timeout=timeout, backend="gloo")
-    return ParallelGroups(rank, layout, tp, dp, ep, control)
+    lanes = () if ep is None else tuple(_new_groups((layout.ep_group,), rank, timeout) for _ in range(ep_lanes - 1))
+    return ParallelGroups(rank, layout, tp, dp, ep, control, lanes)
 
 
 def wire_view(tensor: torch.Tensor) -> torch.Tensor:

@@ -18,6 +18,9 @@ Invariants:
 
 from __future__ import annotations
 
+import contextlib
+import threading
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -46,13 +49,18 @@ class ModelParallel:
 
     def __init__(self, tp_rank: int = 0, tp_size: int = 1, tp_group: dist.ProcessGroup | None = None,
                  placement: ExpertPlacement | None = None, ep_rank: int = 0,
-                 ep_group: dist.ProcessGroup | None = None, comm_kind: str = "allgather"):
+                 ep_group: dist.ProcessGroup | None = None, comm_kind: str = "allgather",
+                 lane_groups: tuple[dist.ProcessGroup, ...] = ()):
         if comm_kind not in COMM_KINDS:
             raise ValueError(f"unknown MoE comm {comm_kind!r}; choose one of {sorted(COMM_KINDS)}")
         self.tp = TPRank(tp_rank, tp_size)
         self.tp_group, self.placement, self.ep_rank, self.ep_group = tp_group, placement, ep_rank, ep_group
         self.comm_kind = comm_kind
-        self._comm: MoEComm | None = None
+        # Lane k (two-batch overlap runs two, on two threads) has its own EP group and comm, so the lanes'
+        # collectives never interleave on one group; lane 0 is the EP group itself.
+        self.lane_groups = (ep_group, *lane_groups)
+        self._comms: dict[int, MoEComm] = {}
+        self._lane = threading.local()
         self._experts: list[ParallelExperts] = []  # by tag
 
     @classmethod
@@ -67,7 +75,7 @@ class ModelParallel:
         if layout.ep_group is not None:
             placement = place_experts(num_experts, len(layout.ep_group))
         return cls(layout.tp_rank(rank), layout.parallel.tensor_parallel_size, groups.tp, placement,
-                   layout.ep_rank(rank) or 0, groups.ep, comm_kind)
+                   layout.ep_rank(rank) or 0, groups.ep, comm_kind, groups.ep_lanes)
 
     @property
     def is_single(self) -> bool:
@@ -78,22 +86,43 @@ class ModelParallel:
         return self.placement is not None
 
     @property
+    def lane(self) -> int:
+        return getattr(self._lane, "index", 0)
+
+    @contextlib.contextmanager
+    def in_lane(self, index: int):
+        """This thread's MoE calls use lane `index`'s group and comm until the block ends."""
+        if not 0 <= index < len(self.lane_groups):
+            raise ValueError(f"lane {index} does not exist ({len(self.lane_groups)} EP lane groups)")
+        previous, self._lane.index = self.lane, index
+        try:
+            yield
+        finally:
+            self._lane.index = previous
+
+    @property
     def comm(self) -> MoEComm:
-        """The one dispatch/combine instance every MoE layer of the model shares (payload bytes add up)."""
-        if self._comm is None:
+        """The dispatch/combine instance every MoE layer of the model shares, for this thread's lane."""
+        lane = self.lane
+        if lane not in self._comms:
             if self.placement is None:
-                self._comm = LocalComm(place_experts(1, 1))
+                self._comms[lane] = LocalComm(place_experts(1, 1))
             else:
-                self._comm = COMM_KINDS[self.comm_kind](self.placement, self.ep_rank, self.ep_group)
-        return self._comm
+                self._comms[lane] = COMM_KINDS[self.comm_kind](self.placement, self.ep_rank, self.lane_groups[lane])
+        return self._comms[lane]
+
+    @property
+    def moe_payload_bytes(self) -> int:
+        """Bytes the EP collectives of every lane delivered to this rank."""
+        return sum(comm.payload_bytes for comm in self._comms.values())
 
     def register(self, experts: ParallelExperts) -> int:
         self._experts.append(experts)
         return len(self._experts) - 1
 
     def finish_step(self) -> int:
-        """End of a step (collective over the EP group): join peers' remaining MoE calls. Returns the rounds
-        joined; 0 without EP (TP-only ranks never wait on another replica)."""
+        """End of a step (collective over this lane's EP group): join peers' remaining MoE calls. Returns the
+        rounds joined; 0 without EP (TP-only ranks never wait on another replica)."""
         if self.placement is None or not self._experts:
             return 0
         first = self._experts[0]

@@ -32,6 +32,7 @@ from deepinfer.config import EngineArgs, ModelConfig, resolve_dtype
 from deepinfer.distributed.backend import ParallelGroups, build_groups, init_from_env
 from deepinfer.distributed.layout import RankLayout, make_layout
 from deepinfer.distributed.model_parallel import ModelParallel
+from deepinfer.distributed.overlap import TwoBatchForward
 from deepinfer.distributed.plan import MirrorBook, ReplicaPlan
 from deepinfer.engine.core import cache_specs, load_model, plan_layout, prepare_model, replay_tokens
 from deepinfer.spec import build_proposer
@@ -77,7 +78,7 @@ def run_rank(rank: int, layout: RankLayout, spec: WorkerSpec) -> None:
     """WorkerGroup target (the default process group is up): build this rank and serve until told to stop."""
     # tqdm's default lock is a multiprocessing semaphore, which a rank (leaving through os._exit) would leak
     tqdm.set_lock(threading.RLock())
-    groups = build_groups(layout, spec.args.distributed_timeout_s)
+    groups = build_groups(layout, spec.args.distributed_timeout_s, ep_lanes=2 if spec.args.two_batch_overlap else 1)
     RankWorker(groups, spec).serve()
 
 
@@ -105,6 +106,9 @@ class RankWorker:
         prepare_model(self.model, args)
         self.parallel = parallel
         self.runner = self._runner(config, args)
+        self.overlap = TwoBatchForward(self.model, parallel) if args.two_batch_overlap else None
+        if self.overlap is not None:
+            self.runner.forward = self.overlap
         self.book = MirrorBook()
         self.steps = 0
 
@@ -151,13 +155,16 @@ class RankWorker:
     def stats(self) -> RankStats:
         tensors = list(self.model.parameters()) + list(self.model.buffers())
         experts = [p for name, p in self.model.named_parameters() if name.endswith((".experts.w13", ".experts.w2"))]
-        moe = self.parallel.comm.payload_bytes if self.parallel.expert_parallel else 0
+        moe = self.parallel.moe_payload_bytes
         return RankStats(self.rank, self.dp_rank, self.tp_rank, _nbytes(tensors), _nbytes(experts),
                          peak_rss_bytes(), moe, self.steps)
 
     def execute(self, plan: ReplicaPlan):
-        """Run this replica's plan (None when idle), then join the step's remaining EP rounds."""
+        """Run this replica's plan (None when idle), then join the step's remaining EP rounds (with two-batch
+        overlap each lane drains right after its forward)."""
         out = self.book.decode(plan)
+        if self.overlap is not None:
+            return self.overlap.idle() if plan.is_idle else self.runner.execute(out)
         result = None if plan.is_idle else self.runner.execute(out)
         self.parallel.finish_step()
         return result

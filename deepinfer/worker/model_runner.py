@@ -84,6 +84,8 @@ class ModelRunner:
         self.cache = {s.name: self._allocate(s) for s in self.specs}
         model.bind_kv_cache(self.cache)
         self.sampler = Sampler()
+        # The plain forward, `model(meta)`; two-batch overlap swaps in distributed.overlap.TwoBatchForward.
+        self.forward = model
         # Tokens sampled by the previous execute: async scheduling's placeholders resolve from here.
         self.last_sampled: dict[str, int] = {}
 
@@ -118,7 +120,7 @@ class ModelRunner:
         if kind == "mtp":
             hidden, draft_input = self.model(meta, return_mtp_input=True)
         else:
-            hidden = self.model(meta)
+            hidden = self.forward(meta)
             draft_input = hidden if kind == "final" else None
         return self.model.compute_logits(hidden[meta.logits_indices]), draft_input
 
