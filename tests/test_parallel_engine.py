@@ -253,6 +253,21 @@ def test_a_killed_rank_fails_the_engine_in_bounded_time(v4_ckpt):
     assert _wait_gone(pids) == []
 
 
+def test_a_hung_rank_fails_the_engine_in_bounded_time(v4_ckpt):
+    """SIGSTOP: the rank neither answers nor heartbeats; the step deadline (or the hang monitor) fires."""
+    llm = LLM(v4_ckpt, **{**OPTIONS, "distributed_timeout_s": 4.0}, data_parallel_size=2)
+    pids = rank_pids(llm)
+    long = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
+    stopper = threading.Timer(1.5, os.kill, (pids[0], signal.SIGSTOP))
+    stopper.start()
+    started = time.monotonic()
+    with pytest.raises(RanksFailed, match="rank 0|did not answer"):
+        llm.generate(_prompts(4, [9, 12, 5]), long, use_tqdm=False)
+    assert time.monotonic() - started < 15
+    llm.shutdown()
+    assert _wait_gone(pids) == []
+
+
 # --- torchrun ----------------------------------------------------------------------------------------
 def _free_port() -> int:
     import socket

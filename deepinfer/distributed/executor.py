@@ -66,7 +66,8 @@ class Executor:
             logger.info("waiting for %d torchrun ranks to connect to %s", self.layout.world_size, self.address)
             return None
         spec = WorkerSpec(str(model_path), args, f"tcp://{self.address}")
-        options = WorkerOptions(pg_timeout_s=args.distributed_timeout_s, startup_timeout_s=startup_allowance(args))
+        options = WorkerOptions(pg_timeout_s=args.distributed_timeout_s, startup_timeout_s=startup_allowance(args),
+                                hang_timeout_s=max(1.0, min(30.0, args.distributed_timeout_s)))
         return WorkerGroup(run_rank, args.parallel, (spec,), options)
 
     # --- start-up -------------------------------------------------------------------------------
