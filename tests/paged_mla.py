@@ -13,9 +13,9 @@ BLOCK = 4
 class PagedRun:
     """Drives the model as an engine would: ragged steps over a shuffled paged pool."""
 
-    def __init__(self, model, num_blocks: int = 64, seed: int = 0):
+    def __init__(self, model, num_blocks: int = 64, seed: int = 0, include_mtp: bool = False):
         self.model = model
-        specs = model.kv_cache_spec(BLOCK)
+        specs = model.kv_cache_spec(BLOCK, include_mtp=include_mtp)
         model.bind_kv_cache({s.name: torch.full((num_blocks, *s.shape), float("nan"), dtype=s.dtype)
                              for s in specs})
         self.free = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(seed)).tolist()
@@ -49,7 +49,13 @@ class PagedRun:
 
     def step(self, chunks: list[tuple[int, list[int]]]) -> list[torch.Tensor]:
         """One ragged step over [(request id, new tokens)]; the logits [n, V] of each chunk."""
+        meta, hidden = self.forward(chunks)
+        with torch.no_grad():
+            logits = self.model.compute_logits(hidden)
+        return [logits[s:e] for s, e in zip(meta.query_start, meta.query_start[1:])]
+
+    def forward(self, chunks: list[tuple[int, list[int]]]) -> tuple[ForwardMeta, torch.Tensor]:
+        """One ragged step: its ForwardMeta and the final hidden [T, D]."""
         meta = self._meta(chunks)
         with torch.no_grad():
-            logits = self.model.compute_logits(self.model(meta))
-        return [logits[s:e] for s, e in zip(meta.query_start, meta.query_start[1:])]
+            return meta, self.model(meta)

@@ -572,6 +572,7 @@ class DeepseekV3ForCausalLM(nn.Module):
             raise ConfigError(f"DeepseekV3ForCausalLM serves MLA models, not {config.model_type!r}")
         self.config, self.dtype = config, dtype
         self.parallel = ModelParallel.single() if parallel is None else parallel
+        shard_range(config.num_heads, self.parallel.tp, "num_attention_heads", "heads")  # before any collective
         self.model = DeepseekV3Model(config, dtype, device, self.parallel)
         self.lm_head = _lm_head(config, dtype, device, self.parallel)
         self.to(device)
