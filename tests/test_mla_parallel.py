@@ -25,7 +25,9 @@ from safetensors.torch import load_file, save_file
 from deepinfer.config import ModelConfig, ParallelConfig
 from deepinfer.distributed.launcher import WorkerGroup, WorkerOptions
 from deepinfer.distributed.model_parallel import ModelParallel
+from deepinfer.distributed.moe_comm import place_experts
 from deepinfer.models.deepseek_v3 import DeepseekV3ForCausalLM
+from deepinfer.models.loader import CheckpointError, iter_checkpoint
 from deepinfer.models.mla_mtp import MLAMTPLayer
 
 OPTIONS = WorkerOptions(pg_timeout_s=workers.GROUP_TIMEOUT_S, heartbeat_s=0.2, hang_timeout_s=30, join_timeout_s=3)
@@ -128,6 +130,56 @@ def test_single_is_the_default_handle(v2_path):
 def test_heads_must_divide_over_tp(v2_path):
     with pytest.raises(ValueError, match="num_attention_heads: heads 4 is not divisible by tensor-parallel size 3"):
         DeepseekV3ForCausalLM(ModelConfig.from_hf(v2_path), parallel=ModelParallel(tp_rank=0, tp_size=3))
+
+
+def _ep_rank_model(path, rank: int) -> DeepseekV3ForCausalLM:
+    """EP rank `rank` of 2 without process groups: construction and loading run no collective."""
+    cfg = ModelConfig.from_hf(path)
+    return DeepseekV3ForCausalLM(cfg, parallel=ModelParallel(placement=place_experts(9, 2), ep_rank=rank))
+
+
+def test_an_ep_rank_loads_only_its_experts_and_builds_mtp_at_load(v3_path):
+    ckpt = {n: t for n, t, _ in iter_checkpoint(v3_path, "deepseek_v3")}
+    model = _ep_rank_model(v3_path, 1)
+    model.load_weights((n, t, "x") for n, t in ckpt.items())
+    w13 = model.model.layers[1].mlp.experts.w13  # rank 1 holds experts 5..8
+    assert w13.shape[0] == 4
+    gate_up = [ckpt[f"model.layers.1.mlp.experts.5.{p}.weight"] for p in ("gate_proj", "up_proj")]
+    assert torch.equal(w13[0], torch.cat(gate_up))
+    mtp_w2 = model.mtp[0].block.mlp.experts.w2
+    assert mtp_w2.shape[0] == 4 and torch.equal(mtp_w2[3], ckpt["model.layers.3.mlp.experts.8.down_proj.weight"])
+    assert model.mtp_loaded and not model.mtp_weights  # the kept MTP tensors were freed once built
+
+
+def _fused(ckpt: dict[str, torch.Tensor], pre: str) -> dict[str, torch.Tensor]:
+    """transformers' in-memory layout of one layer's experts: gate_up_proj [E, 2I, D], down_proj [E, D, I]."""
+    part = {p: torch.stack([ckpt.pop(f"{pre}.{e}.{p}.weight") for e in range(9)]) for p in ("gate_proj", "up_proj",
+                                                                                            "down_proj")}
+    return {f"{pre}.gate_up_proj": torch.cat([part["gate_proj"], part["up_proj"]], 1), f"{pre}.down_proj":
+            part["down_proj"]}
+
+
+def test_an_ep_rank_slices_fused_expert_tensors_like_per_expert_ones(v3_path):
+    ckpt = {n: t for n, t, _ in iter_checkpoint(v3_path, "deepseek_v3")}
+    per_expert, fused = _ep_rank_model(v3_path, 0), _ep_rank_model(v3_path, 0)
+    per_expert.load_weights((n, t, "x") for n, t in ckpt.items())
+    for pre in ("model.layers.1.mlp.experts", "model.layers.2.mlp.experts", "model.layers.3.mlp.experts"):
+        ckpt |= _fused(ckpt, pre)
+    fused.load_weights((n, t, "x") for n, t in ckpt.items())
+    a, b = per_expert.state_dict(), fused.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)
+
+
+@pytest.mark.parametrize("dropped, match", [
+    ("model.layers.2.mlp.experts.0.up_proj.weight", r"missing 1 tensors, e.g. model\.layers\.2\.mlp\.experts\.0\."),
+    ("model.layers.3.mlp.experts.1.gate_proj.weight", r"MTP layer 'model\.layers\.3\.' is missing 1 .*experts\.1\."),
+    ("model.layers.3.self_attn.kv_b_proj.weight", r"MTP layer .* missing 1 tensors, .*kv_b_proj")],
+    ids=["other_ranks_expert", "other_ranks_mtp_expert", "mtp_attention"])
+def test_an_ep_rank_still_requires_the_tensors_it_drops(v3_path, dropped, match):
+    """Experts 0..4 live on rank 0: rank 1 drops them, yet a checkpoint without one of them is incomplete."""
+    model = _ep_rank_model(v3_path, 1)
+    with pytest.raises(CheckpointError, match=match):
+        model.load_weights(w for w in iter_checkpoint(v3_path, "deepseek_v3") if w[0] != dropped)
 
 
 # ------------------------------------------------------------------------------------------------- TP 2
