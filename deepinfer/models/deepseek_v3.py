@@ -439,15 +439,18 @@ def _fused_full_shape(cfg: ModelConfig, leaf: str) -> tuple[int, int, int]:
     return (e, 2 * i, d) if leaf == "w13" else (e, d, i)
 
 
+def _fused_parts(leaf: str, w: torch.Tensor) -> tuple[tuple[int | None, torch.Tensor], ...]:
+    """One expert's rows of a fused tensor as (half, matrix): gate and up of w13, or the w2 matrix."""
+    return ((None, w),) if leaf == "w2" else tuple(enumerate(w.chunk(2)))
+
+
 def shard_fused_experts(experts: ParallelExperts, leaf: str, t: torch.Tensor) -> torch.Tensor:
     """A fused [E, 2I, D] / [E, D, I] tensor as this rank stores it: its experts' rows, each matrix sliced by
     shard_weight (the gate and up halves separately)."""
     rows = t[experts.local.start:experts.local.stop]
     if not rows.shape[0]:  # a rank that owns no experts
         return rows
-    if leaf == "w2":
-        return torch.stack([experts.shard_weight(w, None) for w in rows])
-    return torch.stack([torch.cat([experts.shard_weight(h, i) for i, h in enumerate(w.chunk(2))]) for w in rows])
+    return torch.stack([torch.cat([experts.shard_weight(m, half) for half, m in _fused_parts(leaf, w)]) for w in rows])
 
 
 class _WeightLoader:
@@ -509,7 +512,9 @@ class _WeightLoader:
         prefix, leaf = m[1], _FUSED_TO_STACKED[m[2]]
         experts = self._experts_at(prefix, source, m[0])
         self._check_shape(tensor.shape, _fused_full_shape(self.cfg, leaf), m[0], source)
-        self._copy(getattr(experts, leaf), shard_fused_experts(experts, leaf, tensor), m[0], source)
+        for local, expert in enumerate(experts.local):  # expert by expert: no second full-size copy
+            for half, part in _fused_parts(leaf, tensor[expert]):
+                self._copy(expert_slot(experts, local, half), experts.shard_weight(part, half), m[0], source)
         self.pending.difference_update(_expert_part_names(prefix, leaf, experts.num_experts))
 
     def put(self, name: str, tensor: torch.Tensor, source: str) -> None:
