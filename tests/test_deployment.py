@@ -112,10 +112,10 @@ def test_kv_and_budget_by_hand():
 def test_moe_bytes_by_hand():
     """V3_TINY (D 128, K 2, E 8, bf16), EP 4, 10 tokens per GPU, 2 MoE layers."""
     cfg, parallel = _cfg("v3"), ParallelConfig(2, 2, True)
-    # all-to-all: counts 8 B x E x world^2, then every pair out (D e + 4 id bytes) and back (D e)
-    alltoall = (8 * 8 * 4 * 4 + 40 * 2 * (2 * 256 + 4)) / 40
-    # all-gather: per rank world x (8 + T (D e + 8 K) + T D e), over world x T tokens
-    allgather = 4 * 4 * (8 + 10 * (256 + 16) + 10 * 256) / 40
+    # all-to-all: counts and tag 8 B x (E + 1) x world^2, then every pair out (D e + 4 id bytes) and back (D e)
+    alltoall = (8 * 9 * 4 * 4 + 40 * 2 * (2 * 256 + 4)) / 40
+    # all-gather: per rank world x (24 header + T (D e + 8 K) + T D e), over world x T tokens
+    allgather = 4 * 4 * (24 + 10 * (256 + 16) + 10 * 256) / 40
     assert dep.moe_bytes_per_token(cfg, parallel, "alltoall", 10) == pytest.approx(alltoall)
     assert dep.moe_bytes_per_token(cfg, parallel, "allgather", 10) == pytest.approx(allgather)
     assert dep.moe_bytes_per_step(cfg, parallel, "alltoall", 10) == pytest.approx(alltoall * 10 * 2)

@@ -8,16 +8,15 @@ from __future__ import annotations
 
 import pytest
 import torch
+from paged_mla import PagedRun
 from safetensors.torch import load_file
 from transformers import DeepseekV2Config, DeepseekV2ForCausalLM, DeepseekV3Config, DeepseekV3ForCausalLM
 
 from deepinfer.config import ModelConfig
-from deepinfer.layers.metadata import ForwardMeta
 from deepinfer.models.deepseek_v3 import DeepseekV3ForCausalLM as MLAModel
 from deepinfer.models.loader import CheckpointError
 
 TOL = 1e-4
-BLOCK = 4
 
 V3_TINY = dict(
     vocab_size=512, hidden_size=128, intermediate_size=256, moe_intermediate_size=64,
@@ -87,51 +86,6 @@ def pair(request, tmp_path_factory):
     path = tmp_path_factory.mktemp(request.param)
     hf.save_pretrained(path)
     return hf, _load(path), path
-
-
-class PagedRun:
-    """Drives the model as an engine would: ragged steps over a shuffled paged pool."""
-
-    def __init__(self, model: MLAModel, num_blocks: int = 64, seed: int = 0):
-        self.model = model
-        specs = model.kv_cache_spec(BLOCK)
-        model.bind_kv_cache({s.name: torch.full((num_blocks, *s.shape), float("nan"), dtype=s.dtype)
-                             for s in specs})
-        self.free = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(seed)).tolist()
-        self.blocks: dict[int, list[int]] = {}
-        self.lens: dict[int, int] = {}
-
-    def _reserve(self, rid: int, length: int) -> None:
-        blocks = self.blocks.setdefault(rid, [])
-        while len(blocks) * BLOCK < length:
-            blocks.append(self.free.pop())
-
-    def _meta(self, chunks: list[tuple[int, list[int]]]) -> ForwardMeta:
-        ids, pos, req, qs, starts, ends = [], [], [], [0], [], []
-        for row, (rid, toks) in enumerate(chunks):
-            start = self.lens.get(rid, 0)
-            self._reserve(rid, start + len(toks))
-            self.lens[rid] = start + len(toks)
-            ids += toks
-            pos += range(start, start + len(toks))
-            req += [row] * len(toks)
-            qs.append(len(ids))
-            starts.append(start)
-            ends.append(start + len(toks))
-        width = max(len(self.blocks[rid]) for rid, _ in chunks)
-        table = [self.blocks[rid] + [0] * (width - len(self.blocks[rid])) for rid, _ in chunks]
-        return ForwardMeta(
-            input_ids=torch.tensor(ids), positions=torch.tensor(pos), token_req=torch.tensor(req),
-            block_table=torch.tensor(table), state_slots=torch.zeros(len(chunks), dtype=torch.long),
-            logits_indices=torch.tensor(qs[1:]) - 1, query_start=qs, seq_starts=starts, seq_lens=ends,
-            block_size=BLOCK)
-
-    def step(self, chunks: list[tuple[int, list[int]]]) -> list[torch.Tensor]:
-        """One ragged step over [(request id, new tokens)]; the logits [n, V] of each chunk."""
-        meta = self._meta(chunks)
-        with torch.no_grad():
-            logits = self.model.compute_logits(self.model(meta))
-        return [logits[s:e] for s, e in zip(meta.query_start, meta.query_start[1:])]
 
 
 def _hf_logits(hf, tokens: list[int]) -> torch.Tensor:

@@ -7,27 +7,49 @@ Requests with one new token attend in latent space (W_UK / W_UV absorbed from kv
 over requests); longer chunks expand their context with kv_b_proj and attend causally.
 RoPE: with rope_interleave the pairs (2i, 2i+1) are rotated in place; transformers writes the same
 values de-interleaved, a permutation shared by q_pe and k_pe, so scores are identical.
+
+Parallelism (``ModelParallel``; ``ModelParallel.single()`` builds exactly the one-process model):
+- TP over ``parallel.tp_group``: a rank holds H / T whole query heads (rows of q_b_proj / q_proj and kv_b_proj,
+  columns of o_proj), 1 / T of each dense MLP and shared expert (gate / up rows, down columns) and a vocab
+  block of embed_tokens and lm_head. o_proj, the MLPs and the embedding are followed by one all-reduce each;
+  compute_logits all-gathers the full [N, V] on every TP rank. q_a_proj, kv_a_proj_with_mqa, the norms and the
+  routers are replicated: the latent is one shared "head", so every rank caches the full [c | k_pe] entry.
+- Routed experts are ``ParallelExperts``: whole experts per EP rank (EP), else split over TP like an MLP.
+- Parameters keep their checkpoint names with local shapes; a sharded one carries ``load_shard`` (full
+  checkpoint tensor -> this rank's slice) and ``full_shape`` (checked before slicing), see _WeightLoader.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from deepinfer.config import ConfigError, ModelConfig
+from deepinfer.distributed.model_parallel import ModelParallel, ParallelExperts
+from deepinfer.distributed.tp import (
+    ParallelLMHead,
+    VocabParallelEmbedding,
+    all_reduce,
+    column_shard,
+    head_shard,
+    row_shard,
+    shard_range,
+    vocab_range,
+    vocab_shard,
+)
 from deepinfer.layers.batch_invariant import batch_invariant_enabled
 from deepinfer.layers.kv_quant import PagedPool, is_quantised, storage_dtype
 from deepinfer.layers.metadata import CacheTensorSpec, ForwardMeta
-from deepinfer.layers.moe import routed_experts
 from deepinfer.layers.norm import RMSNorm
 from deepinfer.layers.rotary import RotaryTable, rotate_interleaved
 from deepinfer.models.loader import CheckpointError
-from deepinfer.models.mla_mtp import MLAMTPLayer
+from deepinfer.models.mla_mtp import MTP_SHARED_TENSORS, MLAMTPLayer
 from deepinfer.models.mla_routing import select_experts
 
 # q_a_layernorm / kv_a_layernorm use the RMSNorm default eps in DeepSeek's code, not rms_norm_eps.
@@ -37,6 +59,16 @@ _LATENT_NORM_EPS = 1e-6
 def _linear(in_features: int, out_features: int, dtype: torch.dtype, device) -> nn.Linear:
     """Bias-free projection left uninitialised: load_weights fills every parameter."""
     return nn.utils.skip_init(nn.Linear, in_features, out_features, bias=False, dtype=dtype, device=device)
+
+
+def _sharded(param: torch.Tensor, full_shape: tuple[int, ...], shard: Callable[[torch.Tensor], torch.Tensor]) -> None:
+    """Mark a TP-sharded parameter: the checkpoint holds `full_shape`, this rank keeps shard(full)."""
+    param.full_shape, param.load_shard = tuple(full_shape), shard
+
+
+def _reduced(y: torch.Tensor, mp: ModelParallel) -> torch.Tensor:
+    """The sum of the TP ranks' partial outputs (row parallel); the tensor itself on one rank."""
+    return all_reduce(y, mp.tp_group) if mp.tp.size > 1 else y
 
 
 def rotate_halves(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -138,14 +170,22 @@ def plan_step(meta: ForwardMeta, rotary: RotaryTable, interleave: bool) -> MLASt
 
 
 class MLP(nn.Module):
-    def __init__(self, dim: int, inter: int, dtype: torch.dtype, device):
+    """Dense MLP / shared experts: gate_proj, up_proj column-parallel, down_proj row-parallel (+ all-reduce)."""
+
+    def __init__(self, dim: int, inter: int, dtype: torch.dtype, device, mp: ModelParallel | None = None):
         super().__init__()
-        self.gate_proj = _linear(dim, inter, dtype, device)
-        self.up_proj = _linear(dim, inter, dtype, device)
-        self.down_proj = _linear(inter, dim, dtype, device)
+        self.mp = mp = mp or ModelParallel.single()
+        local = len(shard_range(inter, mp.tp, "MLP", "intermediate size"))
+        self.gate_proj = _linear(dim, local, dtype, device)
+        self.up_proj = _linear(dim, local, dtype, device)
+        self.down_proj = _linear(local, dim, dtype, device)
+        if mp.tp.size > 1:
+            for name in ("gate_proj", "up_proj"):
+                _sharded(getattr(self, name).weight, (inter, dim), partial(column_shard, tp=mp.tp, name=name))
+            _sharded(self.down_proj.weight, (dim, inter), partial(row_shard, tp=mp.tp, name="down_proj"))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return _reduced(self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x)), self.mp)
 
 
 class Router(nn.Module):
@@ -163,36 +203,46 @@ class Router(nn.Module):
         return select_experts(logits, self.e_score_correction_bias, self.cfg)
 
 
-class Experts(nn.Module):
-    """Routed experts stacked: w13 [E, 2I, D] = [gate; up], w2 [E, D, I]."""
-
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device):
-        super().__init__()
-        e, d, i = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
-        self.w13 = nn.Parameter(torch.empty(e, 2 * i, d, dtype=dtype, device=device))
-        self.w2 = nn.Parameter(torch.empty(e, d, i, dtype=dtype, device=device))
+def routed_expert_layer(cfg: ModelConfig, dtype: torch.dtype, device, mp: ModelParallel) -> ParallelExperts:
+    """This rank's routed experts: w13 [E_local, 2 I_local, D] = [gate; up], w2 [E_local, D, I_local], left
+    uninitialised (load_weights fills every row). Built on the meta device first (ParallelExperts would
+    allocate float32 zeros); with EP it registers its MoE tag with `mp` in construction order."""
+    with torch.device("meta"):
+        experts = ParallelExperts(cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size,
+                                  cfg.num_experts_per_tok, mp)
+    for name, p in list(experts.named_parameters()):
+        setattr(experts, name, nn.Parameter(torch.empty(p.shape, dtype=dtype, device=device)))
+    return experts
 
 
 class MoE(nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device):
+    """Replicated router (global top-k ids and weights), routed experts through ParallelExperts (the full sum
+    on every TP rank), TP-sharded shared experts."""
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device, mp: ModelParallel | None = None):
         super().__init__()
+        mp = mp or ModelParallel.single()
         self.gate = Router(cfg, device)
-        self.experts = Experts(cfg, dtype, device)
+        self.experts = routed_expert_layer(cfg, dtype, device, mp)
         shared = cfg.moe_intermediate_size * cfg.n_shared_experts
-        self.shared_experts = MLP(cfg.hidden_size, shared, dtype, device) if shared else None
+        self.shared_experts = MLP(cfg.hidden_size, shared, dtype, device, mp) if shared else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ids, weights = self.gate(x)
-        out = routed_experts(x, ids, weights, self.experts.w13, self.experts.w2)
+        out = self.experts(x, ids, weights)
         return out if self.shared_experts is None else out + self.shared_experts(x)
 
 
 class MLAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device):
+    """MLA over this rank's H / T query heads; the latent cache entry and its projections are replicated."""
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device, mp: ModelParallel | None = None):
         super().__init__()
-        self.heads, self.nope, self.rope = cfg.num_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim
+        self.mp = mp = mp or ModelParallel.single()
+        self.heads = len(shard_range(cfg.num_heads, mp.tp, "num_attention_heads", "heads"))
+        self.nope, self.rope = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim
         self.latent, self.v_dim, self.scale = cfg.kv_lora_rank, cfg.v_head_dim, cfg.softmax_scale
-        self.q_lora_rank, d, q_dim = cfg.q_lora_rank, cfg.hidden_size, cfg.num_heads * (self.nope + self.rope)
+        self.q_lora_rank, d, q_dim = cfg.q_lora_rank, cfg.hidden_size, self.heads * (self.nope + self.rope)
         if self.q_lora_rank:
             self.q_a_proj = _linear(d, self.q_lora_rank, dtype, device)
             self.q_a_layernorm = RMSNorm(self.q_lora_rank, _LATENT_NORM_EPS)
@@ -203,6 +253,17 @@ class MLAttention(nn.Module):
         self.kv_a_layernorm = RMSNorm(self.latent, _LATENT_NORM_EPS)
         self.kv_b_proj = _linear(self.latent, self.heads * (self.nope + self.v_dim), dtype, device)
         self.o_proj = _linear(self.heads * self.v_dim, d, dtype, device)
+        if mp.tp.size > 1:
+            self._shard_heads(cfg.num_heads)
+
+    def _shard_heads(self, num_heads: int) -> None:
+        """Whole heads per rank: rows of the query and kv_b projections, columns of o_proj."""
+        q = "q_b_proj" if self.q_lora_rank else "q_proj"
+        for name, dim in ((q, 0), ("kv_b_proj", 0), ("o_proj", 1)):
+            weight = getattr(self, name).weight
+            full = list(weight.shape)
+            full[dim] *= self.mp.tp.size
+            _sharded(weight, full, partial(head_shard, num_heads=num_heads, tp=self.mp.tp, name=name, dim=dim))
 
     def _queries(self, x: torch.Tensor) -> torch.Tensor:
         """[T, H, nope + rope]"""
@@ -268,7 +329,7 @@ class MLAttention(nn.Module):
             out[rows] = self._absorbed(q_nope[rows], q_pe[rows], cache, step.decode)
         for seq in step.prefills:
             out[seq.rows] = self._expanded(q_nope[seq.rows], q_pe[seq.rows], cache, seq)
-        return self.o_proj(out.flatten(1))
+        return _reduced(self.o_proj(out.flatten(1)), self.mp)
 
 
 def is_moe_layer(cfg: ModelConfig, idx: int) -> bool:
@@ -276,13 +337,14 @@ def is_moe_layer(cfg: ModelConfig, idx: int) -> bool:
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, idx: int, dtype: torch.dtype, device):
+    def __init__(self, cfg: ModelConfig, idx: int, dtype: torch.dtype, device, mp: ModelParallel | None = None):
         super().__init__()
-        self.self_attn = MLAttention(cfg, dtype, device)
+        mp = mp or ModelParallel.single()
+        self.self_attn = MLAttention(cfg, dtype, device, mp)
         if is_moe_layer(cfg, idx):
-            self.mlp = MoE(cfg, dtype, device)
+            self.mlp = MoE(cfg, dtype, device, mp)
         else:
-            self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, dtype, device)
+            self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, dtype, device, mp)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -291,22 +353,52 @@ class DecoderLayer(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
+def _vocab_table(cls, cfg: ModelConfig, dtype: torch.dtype, device, mp: ModelParallel) -> nn.Module:
+    """A TP rank's block of a [V, D] table (VocabParallelEmbedding or ParallelLMHead), loaded by vocab_shard."""
+    rows = len(vocab_range(cfg.vocab_size, mp.tp))
+    table = cls(torch.empty(rows, cfg.hidden_size, dtype=dtype, device=device), cfg.vocab_size, mp.tp_group)
+    _sharded(table.weight, (cfg.vocab_size, cfg.hidden_size), partial(vocab_shard, tp=mp.tp))
+    return table
+
+
+def _embedding(cfg: ModelConfig, dtype: torch.dtype, device, mp: ModelParallel) -> nn.Module:
+    if mp.tp.size > 1:
+        return _vocab_table(VocabParallelEmbedding, cfg, dtype, device, mp)
+    return nn.utils.skip_init(nn.Embedding, cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device)
+
+
+def _lm_head(cfg: ModelConfig, dtype: torch.dtype, device, mp: ModelParallel) -> nn.Module:
+    """Full [..., V] logits on every TP rank (ParallelLMHead all-gathers the vocab blocks)."""
+    if mp.tp.size > 1:
+        return _vocab_table(ParallelLMHead, cfg, dtype, device, mp)
+    return _linear(cfg.hidden_size, cfg.vocab_size, dtype, device)
+
+
 class DeepseekV3Model(nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device, mp: ModelParallel | None = None):
         super().__init__()
-        self.embed_tokens = nn.utils.skip_init(nn.Embedding, cfg.vocab_size, cfg.hidden_size,
-                                               dtype=dtype, device=device)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, dtype, device) for i in range(cfg.num_layers))
+        mp = mp or ModelParallel.single()
+        self.embed_tokens = _embedding(cfg, dtype, device, mp)
+        # with EP, the MoE layers register their tags here in layer order, the same on every rank
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, dtype, device, mp) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
 # ---------------------------------------------------------------- checkpoint loading
+#
+# Every rank reads every checkpoint tensor in full and keeps its slice only (peak: its shards + one full tensor):
+# a TP-sharded parameter through its load_shard, experts through ParallelExperts.local_index / shard_weight
+# (another EP rank's expert is counted as seen and dropped). Full shapes are checked before slicing, so a bad
+# checkpoint fails with the same message on every rank, and every rank requires every tensor.
 
 _EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
-_FUSED = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)$")
+_FUSED = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj|w13|w2)$")
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+_MTP_EXPERT = re.compile(r"^mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 _STACKED_PARTS = {"w13": ("gate_proj", "up_proj"), "w2": ("down_proj",)}
-_FUSED_TO_STACKED = {"gate_up_proj": "w13", "down_proj": "w2"}
+_FUSED_TO_STACKED = {"gate_up_proj": "w13", "down_proj": "w2", "w13": "w13", "w2": "w2"}
+_MTP_FUSED = {"mlp.experts.gate_up_proj": "w13", "mlp.experts.down_proj": "w2"}
+HALF = {"gate_proj": 0, "up_proj": 1, "down_proj": None}  # which half of w13 a per-expert part fills (None: w2)
 
 
 def _expert_part_names(prefix: str, leaf: str, n_experts: int) -> list[str]:
@@ -314,77 +406,156 @@ def _expert_part_names(prefix: str, leaf: str, n_experts: int) -> list[str]:
     return [f"{prefix}.{e}.{part}.weight" for e in range(n_experts) for part in _STACKED_PARTS[leaf]]
 
 
-def _expected_names(targets: dict[str, torch.Tensor]) -> set[str]:
-    """Checkpoint names still to load; a stacked expert tensor stands for its per-expert parts."""
+def _expected_names(targets: dict[str, torch.Tensor], experts: dict[str, ParallelExperts]) -> set[str]:
+    """Checkpoint names still to load; a stacked expert tensor stands for its per-expert parts, of all E global
+    experts (a rank sees, and requires, the experts it drops too)."""
     names = set()
-    for name, t in targets.items():
+    for name in targets:
         prefix, _, leaf = name.rpartition(".")
-        if prefix.endswith(".mlp.experts") and leaf in _STACKED_PARTS:
-            names.update(_expert_part_names(prefix, leaf, t.shape[0]))
+        if prefix in experts and leaf in _STACKED_PARTS:
+            names.update(_expert_part_names(prefix, leaf, experts[prefix].num_experts))
         else:
             names.add(name)
     return names
+
+
+def expert_slot(experts: ParallelExperts, local: int, half: int | None) -> torch.Tensor:
+    """The view of w13 (gate: half 0, up: half 1) or w2 (half None) that local expert `local` fills."""
+    if half is None:
+        return experts.w2[local]
+    inter = experts.w13.shape[1] // 2
+    return experts.w13[local, half * inter:(half + 1) * inter]
+
+
+def _expert_full_shape(cfg: ModelConfig, half: int | None) -> tuple[int, int]:
+    """Checkpoint shape of one expert's gate / up [I, D] or down [D, I] matrix."""
+    d, i = cfg.hidden_size, cfg.moe_intermediate_size
+    return (d, i) if half is None else (i, d)
+
+
+def _fused_full_shape(cfg: ModelConfig, leaf: str) -> tuple[int, int, int]:
+    """Checkpoint shape of a fused gate_up [E, 2I, D] (w13) or down [E, D, I] (w2) tensor."""
+    e, d, i = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
+    return (e, 2 * i, d) if leaf == "w13" else (e, d, i)
+
+
+def _fused_parts(leaf: str, w: torch.Tensor) -> tuple[tuple[int | None, torch.Tensor], ...]:
+    """One expert's rows of a fused tensor as (half, matrix): gate and up of w13, or the w2 matrix."""
+    return ((None, w),) if leaf == "w2" else tuple(enumerate(w.chunk(2)))
+
+
+def shard_fused_experts(experts: ParallelExperts, leaf: str, t: torch.Tensor) -> torch.Tensor:
+    """A fused [E, 2I, D] / [E, D, I] tensor as this rank stores it: its experts' rows, each matrix sliced by
+    shard_weight (the gate and up halves separately)."""
+    rows = t[experts.local.start:experts.local.stop]
+    if not rows.shape[0]:  # a rank that owns no experts
+        return rows
+    return torch.stack([torch.cat([experts.shard_weight(m, half) for half, m in _fused_parts(leaf, w)]) for w in rows])
 
 
 class _WeightLoader:
     def __init__(self, model: DeepseekV3ForCausalLM):
         self.cfg = model.config
         self.targets = model.state_dict(keep_vars=True)
-        self.pending = _expected_names(self.targets)
+        self.experts = {n: m for n, m in model.named_modules() if isinstance(m, ParallelExperts)}
+        self.pending = _expected_names(self.targets, self.experts)
         self.mtp: dict[str, torch.Tensor] = {}
 
     def _is_mtp(self, name: str) -> bool:
         m = _LAYER.match(name)
         return m is not None and 0 <= int(m[1]) - self.cfg.num_layers < self.cfg.num_mtp_layers
 
-    def _target(self, name: str, source: str, shown: str = "") -> torch.Tensor:
+    def _unknown(self, name: str, source: str) -> CheckpointError:
+        return CheckpointError(f"{source}: unknown tensor {name!r} for {self.cfg.model_type}")
+
+    def _target(self, name: str, source: str) -> torch.Tensor:
         if name not in self.targets:
-            raise CheckpointError(f"{source}: unknown tensor {shown or name!r} for {self.cfg.model_type}")
+            raise self._unknown(name, source)
         return self.targets[name]
 
+    def _experts_at(self, prefix: str, source: str, shown: str) -> ParallelExperts:
+        if prefix not in self.experts:
+            raise self._unknown(shown, source)
+        return self.experts[prefix]
+
     @staticmethod
-    def _copy(dst: torch.Tensor, src: torch.Tensor, name: str, source: str) -> None:
-        if tuple(src.shape) != tuple(dst.shape):
-            raise CheckpointError(f"{source}: tensor {name!r} has shape {tuple(src.shape)}, "
-                                  f"the model expects {tuple(dst.shape)}")
+    def _check_shape(shape, expected, name: str, source: str) -> None:
+        if tuple(shape) != tuple(expected):
+            raise CheckpointError(f"{source}: tensor {name!r} has shape {tuple(shape)}, "
+                                  f"the model expects {tuple(expected)}")
+
+    @classmethod
+    def _copy(cls, dst: torch.Tensor, src: torch.Tensor, name: str, source: str) -> None:
+        cls._check_shape(src.shape, dst.shape, name, source)
         with torch.no_grad():
             dst.copy_(src)
 
-    def _mark_stacked(self, prefix: str, leaf: str) -> None:
-        n = self.targets[f"{prefix}.{leaf}"].shape[0]
-        self.pending.difference_update(_expert_part_names(prefix, leaf, n))
+    def _put_param(self, dst: torch.Tensor, full: torch.Tensor, name: str, source: str) -> None:
+        """A full checkpoint tensor into a parameter: its full shape checked, then its TP slice (if any) copied."""
+        self._check_shape(full.shape, getattr(dst, "full_shape", dst.shape), name, source)
+        shard = getattr(dst, "load_shard", None)
+        self._copy(dst, full if shard is None else shard(full), name, source)
 
     def _put_expert(self, m: re.Match, tensor: torch.Tensor, source: str) -> None:
-        prefix, e, part = m[1], int(m[2]), m[3]
-        stacked = self._target(f"{prefix}.{'w2' if part == 'down_proj' else 'w13'}", source, m[0])
-        if e >= stacked.shape[0]:
-            raise CheckpointError(f"{source}: unknown tensor {m[0]!r} (only {stacked.shape[0]} experts)")
-        half = stacked.shape[1] // 2
-        dst = {"gate_proj": stacked[e, :half], "up_proj": stacked[e, half:], "down_proj": stacked[e]}[part]
-        self._copy(dst, tensor, m[0], source)
+        prefix, e, half = m[1], int(m[2]), HALF[m[3]]
+        experts = self._experts_at(prefix, source, m[0])
+        if e >= experts.num_experts:
+            raise CheckpointError(f"{source}: unknown tensor {m[0]!r} (only {experts.num_experts} experts)")
+        self._check_shape(tensor.shape, _expert_full_shape(self.cfg, half), m[0], source)
         self.pending.discard(m[0])
+        local = experts.local_index(e)
+        if local is not None:  # else another EP rank's expert: seen, not kept
+            self._copy(expert_slot(experts, local, half), experts.shard_weight(tensor, half), m[0], source)
+
+    def _put_fused(self, m: re.Match, tensor: torch.Tensor, source: str) -> None:
+        """transformers' fused gate_up_proj / down_proj, or our own stacked w13 / w2 (the same layouts)."""
+        prefix, leaf = m[1], _FUSED_TO_STACKED[m[2]]
+        experts = self._experts_at(prefix, source, m[0])
+        self._check_shape(tensor.shape, _fused_full_shape(self.cfg, leaf), m[0], source)
+        for local, expert in enumerate(experts.local):  # expert by expert: no second full-size copy
+            for half, part in _fused_parts(leaf, tensor[expert]):
+                self._copy(expert_slot(experts, local, half), experts.shard_weight(part, half), m[0], source)
+        self.pending.difference_update(_expert_part_names(prefix, leaf, experts.num_experts))
 
     def put(self, name: str, tensor: torch.Tensor, source: str) -> None:
         if self._is_mtp(name):
-            self.mtp[name] = tensor
+            self.mtp[name] = self._mtp_shard(name, tensor)
         elif name.endswith("rotary_emb.inv_freq"):
             return  # derived from the config
         elif m := _EXPERT.match(name):
             self._put_expert(m, tensor, source)
+        elif m := _FUSED.match(name):
+            self._put_fused(m, tensor, source)
         else:
-            fused = _FUSED.match(name)
-            if fused:
-                name = f"{fused[1]}.{_FUSED_TO_STACKED[fused[2]]}"
-            self._copy(self._target(name, source, fused and fused[0]), tensor, name, source)
-            prefix, _, leaf = name.rpartition(".")
-            if prefix.endswith(".mlp.experts") and leaf in _STACKED_PARTS:
-                self._mark_stacked(prefix, leaf)
+            self._put_param(self._target(name, source), tensor, name, source)
             self.pending.discard(name)
+
+    def _mtp_shard(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """An MTP tensor as this rank keeps it for build_mtp: sliced like its twin in the main model (the same
+        name in the last main layer of the same kind); an empty placeholder for what this rank never loads
+        (another EP rank's expert, the duplicated embedding and head). Shapes are checked by MLAMTPLayer.load."""
+        layer, rel = int(_LAYER.match(name)[1]), _LAYER.sub("", name)
+        experts = next(iter(self.experts.values()), None)  # every MoE layer has the same placement and sizes
+        if rel in MTP_SHARED_TENSORS:
+            return tensor.new_empty(0)
+        if experts is not None and (m := _MTP_EXPERT.match(rel)):
+            local = experts.local_index(int(m[1]))
+            return tensor.new_empty(0) if local is None else experts.shard_weight(tensor, HALF[m[2]])
+        if experts is not None and rel in _MTP_FUSED:
+            return shard_fused_experts(experts, _MTP_FUSED[rel], tensor)
+        twin = self.targets.get(f"model.layers.{self._twin(layer)}.{rel}")
+        shard = getattr(twin, "load_shard", None)
+        return tensor if shard is None else shard(tensor)
+
+    def _twin(self, layer: int) -> int | None:
+        """The last main layer of the same kind (MoE or dense) as layer `layer`."""
+        moe = is_moe_layer(self.cfg, layer)
+        return next((i for i in reversed(range(self.cfg.num_layers)) if is_moe_layer(self.cfg, i) == moe), None)
 
     def finish(self) -> None:
         tied = self.cfg.extra.get("tie_word_embeddings") and "model.embed_tokens.weight" not in self.pending
         if tied and "lm_head.weight" in self.pending:
-            embed = self.targets["model.embed_tokens.weight"]
+            embed = self.targets["model.embed_tokens.weight"]  # the same vocab block as lm_head's under TP
             self._copy(self.targets["lm_head.weight"], embed, "lm_head.weight", "tied embeddings")
             self.pending.discard("lm_head.weight")
         if self.pending:
@@ -398,13 +569,17 @@ class _WeightLoader:
 class DeepseekV3ForCausalLM(nn.Module):
     """V3 / R1 / V2 / V2-Lite. forward(meta) -> final-normed hidden [T, D]; compute_logits -> fp32."""
 
-    def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.float32, device="cpu"):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.float32, device="cpu",
+                 parallel: ModelParallel | None = None):
+        """parallel: this rank's TP / EP place (None: one process, ModelParallel.single())."""
         super().__init__()
         if config.model_type not in ("deepseek_v3", "deepseek_v2") or not config.kv_lora_rank:
             raise ConfigError(f"DeepseekV3ForCausalLM serves MLA models, not {config.model_type!r}")
         self.config, self.dtype = config, dtype
-        self.model = DeepseekV3Model(config, dtype, device)
-        self.lm_head = _linear(config.hidden_size, config.vocab_size, dtype, device)
+        self.parallel = ModelParallel.single() if parallel is None else parallel
+        shard_range(config.num_heads, self.parallel.tp, "num_attention_heads", "heads")  # before any collective
+        self.model = DeepseekV3Model(config, dtype, device, self.parallel)
+        self.lm_head = _lm_head(config, dtype, device, self.parallel)
         self.to(device)
         self.requires_grad_(False)
         self.rotary = RotaryTable(config.rope, config.max_position, device)
@@ -425,19 +600,25 @@ class DeepseekV3ForCausalLM(nn.Module):
 
     @property
     def mtp_loaded(self) -> bool:
-        return bool(self.mtp_weights)
+        return bool(self.mtp_weights) or len(self.mtp) > 0
 
     def build_mtp(self) -> None:
-        """The MTP layers from the checkpoint's `model.layers.{N + k}.*` tensors (CheckpointError if incomplete)."""
+        """The MTP layers from the checkpoint's `model.layers.{N + k}.*` tensors (CheckpointError if incomplete);
+        the kept tensors are freed once the layers hold them.
+
+        With EP every rank must build them at the same point: each MTP MoE registers the next tag with
+        `parallel`, and a rank that does not draft still runs that tag's experts for its peers in finish_step.
+        load_weights therefore builds them itself under EP (on every rank, right after loading)."""
         if len(self.mtp) or not self.mtp_weights:
             return
         device, layers = self.lm_head.weight.device, []
         for k in range(self.config.num_mtp_layers):
             prefix = f"model.layers.{self.config.num_layers + k}."
-            layer = MLAMTPLayer(self.config, k, self.dtype, device)
+            layer = MLAMTPLayer(self.config, k, self.dtype, device, self.parallel)
             layer.load({n: t for n, t in self.mtp_weights.items() if n.startswith(prefix)}, prefix)
             layers.append(layer.requires_grad_(False).eval())
         self.mtp = nn.ModuleList(layers)
+        self.mtp_weights = {}
 
     def _layer_names(self, include_mtp: bool) -> list[str]:
         mtp = [f"mtp.{k}.mla" for k in range(len(self.mtp))] if include_mtp else []
@@ -497,3 +678,5 @@ class DeepseekV3ForCausalLM(nn.Module):
             loader.put(name, tensor, source)
         self.mtp_weights.update(loader.mtp)
         loader.finish()
+        if self.parallel.expert_parallel:
+            self.build_mtp()  # every EP rank registers the MTP MoE tags here, in the same order (see build_mtp)

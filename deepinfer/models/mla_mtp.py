@@ -8,6 +8,10 @@
 h_t is the main model's final (normed) hidden state at position t for k = 0. Row t runs at position t.
 The checkpoint's duplicated `embed_tokens` and `shared_head.head` copies are not loaded: the main
 model's are used.
+
+Under TP / EP the block is sharded like a main decoder layer (its MoE registers the next EP tag); the tensors
+`load` receives are already this rank's slices (the model's loader cut them as they arrived), with empty
+placeholders for another EP rank's experts. eh_proj and the norms are replicated.
 """
 
 from __future__ import annotations
@@ -18,21 +22,22 @@ import torch
 from torch import nn
 
 from deepinfer.config import ModelConfig
+from deepinfer.distributed.model_parallel import ModelParallel
 from deepinfer.layers.norm import RMSNorm
 from deepinfer.models.loader import CheckpointError
 
-_SHARED = ("embed_tokens.weight", "shared_head.head.weight")
+MTP_SHARED_TENSORS = ("embed_tokens.weight", "shared_head.head.weight")
 _EXPERT = re.compile(r"^mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 _FUSED = {"mlp.experts.gate_up_proj": "mlp.experts.w13", "mlp.experts.down_proj": "mlp.experts.w2"}
 
 
 class MLAMTPLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, k: int, dtype: torch.dtype, device):
+    def __init__(self, cfg: ModelConfig, k: int, dtype: torch.dtype, device, parallel: ModelParallel | None = None):
         super().__init__()
         from deepinfer.models.deepseek_v3 import DecoderLayer, _linear  # deepseek_v3 imports this module
 
         d = cfg.hidden_size
-        self.block = DecoderLayer(cfg, cfg.num_layers + k, dtype, device)
+        self.block = DecoderLayer(cfg, cfg.num_layers + k, dtype, device, parallel)
         self.enorm = RMSNorm(d, cfg.rms_norm_eps)
         self.hnorm = RMSNorm(d, cfg.rms_norm_eps)
         self.eh_proj = _linear(2 * d, d, dtype, device)
@@ -44,30 +49,46 @@ class MLAMTPLayer(nn.Module):
         return self.block(fused, step, cache)
 
     def load(self, tensors: dict[str, torch.Tensor], prefix: str) -> None:
-        """Tensors named `{prefix}*` (HF names; per-expert or fused experts); every parameter is required."""
-        targets = self._targets()
+        """Tensors named `{prefix}*` (HF names; per-expert or fused experts) as this rank stores them; every
+        parameter is required, and every global expert (another EP rank's as a placeholder)."""
+        targets, experts = self._targets(), self._experts()
         pending = set(targets) - {"mlp.experts.w13", "mlp.experts.w2"}
-        experts = targets["mlp.experts.w13"].shape[0] if "mlp.experts.w13" in targets else 0
-        pending |= {f"mlp.experts.{e}.{p}.weight" for e in range(experts) for p in ("gate_proj", "up_proj",
-                                                                                     "down_proj")}
+        count = 0 if experts is None else experts.num_experts
+        pending |= {f"mlp.experts.{e}.{p}.weight" for e in range(count) for p in ("gate_proj", "up_proj",
+                                                                                    "down_proj")}
         for full, tensor in tensors.items():
             name = _FUSED.get(full[len(prefix):], full[len(prefix):])
-            if name in _SHARED:
+            if name in MTP_SHARED_TENSORS or self._elsewhere(name, experts):
+                pending.discard(name)
                 continue
-            dst, shown = self._destination(name, targets), full
-            if dst is None:
-                raise CheckpointError(f"unknown MTP tensor {shown!r}")
-            if tuple(dst.shape) != tuple(tensor.shape):
-                raise CheckpointError(f"MTP tensor {shown!r} has shape {tuple(tensor.shape)}, expected "
-                                      f"{tuple(dst.shape)}")
-            with torch.no_grad():
-                dst.copy_(tensor)
+            self._copy(self._destination(name, targets, experts), tensor, full)
             pending.discard(name)
             if name in ("mlp.experts.w13", "mlp.experts.w2"):
                 parts = ("gate_proj", "up_proj") if name.endswith("w13") else ("down_proj",)
-                pending -= {f"mlp.experts.{e}.{p}.weight" for e in range(experts) for p in parts}
+                pending -= {f"mlp.experts.{e}.{p}.weight" for e in range(count) for p in parts}
         if pending:
             raise CheckpointError(f"MTP layer {prefix!r} is missing {len(pending)} tensors, e.g. {sorted(pending)[:4]}")
+
+    @staticmethod
+    def _copy(dst: torch.Tensor | None, tensor: torch.Tensor, shown: str) -> None:
+        if dst is None:
+            raise CheckpointError(f"unknown MTP tensor {shown!r}")
+        if tuple(dst.shape) != tuple(tensor.shape):
+            raise CheckpointError(f"MTP tensor {shown!r} has shape {tuple(tensor.shape)}, expected "
+                                  f"{tuple(dst.shape)}")
+        with torch.no_grad():
+            dst.copy_(tensor)
+
+    def _experts(self):
+        """The block's routed experts (ParallelExperts), or None for a dense MTP block."""
+        return getattr(self.block.mlp, "experts", None)
+
+    @staticmethod
+    def _elsewhere(name: str, experts) -> bool:
+        """A per-expert tensor of a global expert that another EP rank holds (its placeholder is skipped)."""
+        m = _EXPERT.match(name)
+        return m is not None and experts is not None and int(m[1]) < experts.num_experts \
+            and experts.local_index(int(m[1])) is None
 
     def _targets(self) -> dict[str, torch.Tensor]:
         """Checkpoint-relative names -> parameters (the block's names carry no prefix in checkpoints)."""
@@ -79,13 +100,13 @@ class MLAMTPLayer(nn.Module):
         return out
 
     @staticmethod
-    def _destination(name: str, targets: dict[str, torch.Tensor]) -> torch.Tensor | None:
+    def _destination(name: str, targets: dict[str, torch.Tensor], experts) -> torch.Tensor | None:
+        from deepinfer.models.deepseek_v3 import HALF, expert_slot
+
         m = _EXPERT.match(name)
         if m is None:
             return targets.get(name)
-        e, part = int(m[1]), m[2]
-        stacked = targets["mlp.experts.w2" if part == "down_proj" else "mlp.experts.w13"]
-        if e >= stacked.shape[0]:
+        e = int(m[1])
+        if experts is None or e >= experts.num_experts:
             return None
-        half = stacked.shape[1] // 2
-        return {"gate_proj": stacked[e, :half], "up_proj": stacked[e, half:], "down_proj": stacked[e]}[part]
+        return expert_slot(experts, experts.local_index(e), HALF[m[2]])
