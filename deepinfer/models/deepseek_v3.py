@@ -401,19 +401,19 @@ _MTP_FUSED = {"mlp.experts.gate_up_proj": "w13", "mlp.experts.down_proj": "w2"}
 HALF = {"gate_proj": 0, "up_proj": 1, "down_proj": None}  # which half of w13 a per-expert part fills (None: w2)
 
 
-def _expert_part_names(prefix: str, leaf: str, n_experts: int) -> list[str]:
-    """Per-expert checkpoint names that one stacked tensor (w13 or w2) is made of."""
-    return [f"{prefix}.{e}.{part}.weight" for e in range(n_experts) for part in _STACKED_PARTS[leaf]]
+def _expert_part_names(prefix: str, leaf: str, experts) -> list[str]:
+    """Per-expert checkpoint names that one stacked tensor (w13 or w2) is made of, for the experts `experts`."""
+    return [f"{prefix}.{e}.{part}.weight" for e in experts for part in _STACKED_PARTS[leaf]]
 
 
 def _expected_names(targets: dict[str, torch.Tensor], experts: dict[str, ParallelExperts]) -> set[str]:
-    """Checkpoint names still to load; a stacked expert tensor stands for its per-expert parts, of all E global
-    experts (a rank sees, and requires, the experts it drops too)."""
+    """Checkpoint names still to load; a stacked expert tensor stands for the per-expert parts of this rank's
+    own experts (the loader may skip other ranks' experts unread: weights.wanted_names)."""
     names = set()
     for name in targets:
         prefix, _, leaf = name.rpartition(".")
         if prefix in experts and leaf in _STACKED_PARTS:
-            names.update(_expert_part_names(prefix, leaf, experts[prefix].num_experts))
+            names.update(_expert_part_names(prefix, leaf, experts[prefix].local))
         else:
             names.add(name)
     return names
@@ -515,7 +515,7 @@ class _WeightLoader:
         for local, expert in enumerate(experts.local):  # expert by expert: no second full-size copy
             for half, part in _fused_parts(leaf, tensor[expert]):
                 self._copy(expert_slot(experts, local, half), experts.shard_weight(part, half), m[0], source)
-        self.pending.difference_update(_expert_part_names(prefix, leaf, experts.num_experts))
+        self.pending.difference_update(_expert_part_names(prefix, leaf, range(experts.num_experts)))
 
     def put(self, name: str, tensor: torch.Tensor, source: str) -> None:
         if self._is_mtp(name):

@@ -50,12 +50,12 @@ class MLAMTPLayer(nn.Module):
 
     def load(self, tensors: dict[str, torch.Tensor], prefix: str) -> None:
         """Tensors named `{prefix}*` (HF names; per-expert or fused experts) as this rank stores them; every
-        parameter is required, and every global expert (another EP rank's as a placeholder)."""
+        parameter is required, and this rank's own experts (others' may be absent: the loader skips them)."""
         targets, experts = self._targets(), self._experts()
         pending = set(targets) - {"mlp.experts.w13", "mlp.experts.w2"}
         count = 0 if experts is None else experts.num_experts
-        pending |= {f"mlp.experts.{e}.{p}.weight" for e in range(count) for p in ("gate_proj", "up_proj",
-                                                                                    "down_proj")}
+        own = range(0) if experts is None else experts.local
+        pending |= {f"mlp.experts.{e}.{p}.weight" for e in own for p in ("gate_proj", "up_proj", "down_proj")}
         for full, tensor in tensors.items():
             name = _FUSED.get(full[len(prefix):], full[len(prefix):])
             if name in MTP_SHARED_TENSORS or self._elsewhere(name, experts):
