@@ -28,6 +28,7 @@ from deepinfer.distributed.plan import MirrorBook, PlanEncoder
 from deepinfer.engine.kv_cache import KVCacheManager
 from deepinfer.engine.outputs import RunnerOutput
 from deepinfer.engine.scheduler import Scheduler
+from deepinfer.models.dspark import DSparkConfig, DSparkDrafter
 
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
 SEEDED = SamplingParams(temperature=1.0, top_k=20, seed=7, max_tokens=10, ignore_eos=True)
@@ -193,6 +194,19 @@ def test_speculative_decoding_is_lossless(v4_ckpt, reference, method):
         drafts = sum(core.scheduler.spec_stats.num_draft_tokens for core in _replicas(llm))
     assert got == _tokens(reference.generate(prompts, GREEDY, use_tqdm=False))
     assert drafts > 0
+
+
+def test_dspark_drafts_on_every_rank(tmp_path):
+    """DSpark's drafter is small and runs whole on every rank; greedy tokens equal plain decoding."""
+    torch.manual_seed(0)
+    DSparkDrafter(DSparkConfig(256, 8192, num_draft_tokens=4)).save(tmp_path)
+    prompts = ["def f(x):", "hello there"]
+    options = dict(load_progress=False, kv_cache_memory_bytes=2**25)
+    want = _tokens(LLM(**options).generate(prompts, GREEDY, use_tqdm=False))
+    spec = {"method": "dspark", "num_speculative_tokens": 3, "model": str(tmp_path)}
+    with LLM(**options, **SPEC_LAYOUT, speculative_config=spec) as llm:
+        assert _tokens(llm.generate(prompts, GREEDY, use_tqdm=False)) == want
+        assert sum(core.scheduler.spec_stats.num_draft_tokens for core in _replicas(llm)) > 0
 
 
 def _replicas(llm: LLM) -> list:
