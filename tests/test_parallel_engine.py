@@ -35,9 +35,11 @@ SEEDED = SamplingParams(temperature=1.0, top_k=20, seed=7, max_tokens=10, ignore
 # Odd chunk budget (prefills split at odd points), prefix caching on, a small cache.
 OPTIONS = dict(block_size=16, max_num_batched_tokens=7, max_num_seqs=4, kv_cache_memory_bytes=16 * 2**20,
                load_progress=False, distributed_timeout_s=30.0)
-LAYOUTS = {"dp2": dict(data_parallel_size=2)}
-TORCHRUN_LAYOUT = dict(data_parallel_size=4)
-SPEC_LAYOUT = dict(data_parallel_size=2)
+# The DeepSeek layout (attention DP + EP) for the feature tests; the matrix below covers the others.
+LAYOUTS = {"dp2+ep": dict(data_parallel_size=2, enable_expert_parallel=True),
+           "dp2+ep tbo": dict(data_parallel_size=2, enable_expert_parallel=True, two_batch_overlap=True)}
+TORCHRUN_LAYOUT = dict(data_parallel_size=2, tensor_parallel_size=2, enable_expert_parallel=True)
+SPEC_LAYOUT = dict(data_parallel_size=2, enable_expert_parallel=True)
 
 
 def _prompts(seed: int, lengths: list[int]) -> list[list[int]]:
@@ -213,10 +215,16 @@ def _replicas(llm: LLM) -> list:
     return getattr(llm.engine, "replicas", [llm.engine])
 
 
-def test_rank_stats(parallel_llm):
+def test_rank_stats(parallel_llm, reference):
+    """Each routed expert lives on exactly one rank (MTP layer's included); the EP collectives moved bytes."""
     stats = parallel_llm.engine.executor.rank_stats()
+    experts = sum(p.numel() * p.element_size() for n, p in reference.engine.model.named_parameters()
+                  if n.endswith((".experts.w13", ".experts.w2")))
     assert [s.rank for s in stats] == list(range(len(stats)))
-    assert all(s.steps > 0 and s.peak_rss_bytes > 0 and s.param_bytes > s.expert_param_bytes > 0 for s in stats)
+    assert sum(s.expert_param_bytes for s in stats) == experts
+    assert all(s.steps > 0 and s.peak_rss_bytes > 0 and s.moe_payload_bytes > 0 for s in stats)
+    assert all(s.param_bytes - s.expert_param_bytes == stats[0].param_bytes - stats[0].expert_param_bytes
+               for s in stats)  # TP 1: the rest is replicated
 
 
 # --- the matrix: every model family x layout --------------------------------------------------------
