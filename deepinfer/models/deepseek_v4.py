@@ -194,11 +194,10 @@ class Indexer(nn.Module):
 
 
 class Attention(nn.Module):
-    """n_heads / groups are this rank's (all of them on one TP rank); the KV head is shared by all."""
+    """n_heads / groups are this rank's (all of them on one TP rank, check_tp_heads); one KV head for all."""
 
     def __init__(self, cfg: ModelConfig, layer: int, mp: ModelParallel):
         super().__init__()
-        check_tp_heads(cfg, mp.tp.size)
         heads, groups, tp = cfg.num_heads, cfg.o_groups, mp.tp
         self.kind, self.ratio, self.mp = cfg.layer_kinds[layer], cfg.compress_ratios[layer], mp
         self.n_heads, self.head_dim, self.groups = heads // tp.size, cfg.head_dim, groups // tp.size
@@ -424,6 +423,7 @@ class DeepseekV4ForCausalLM(nn.Module):
         super().__init__()
         self.config, self.dtype = config, dtype
         self.parallel = parallel = parallel or ModelParallel.single()
+        check_tp_heads(config, parallel.tp.size)  # before any layer (the vocab-parallel ones touch the group)
         self.kv_cache_dtype = "auto"  # storage of the paged pools: auto (model dtype) | fp8 | int8
         self.batch_invariant_kernels = True  # attention and indexer honour layers.batch_invariant
         self.num_lookahead_tokens = 0  # how many computed tokens may later be rolled back (speculation)
