@@ -83,6 +83,12 @@ def test_tp2_stores_its_slices_of_the_split_tensors(tp2):
         assert storage["params"] < 0.75 * storage["full_params"]
 
 
+def test_tp2_forward_reduces_once_per_attention_and_once_per_moe(tp2):
+    """embed + (wo_b, routed + shared expert folded) per layer all-reduce; the LM head all-gathers."""
+    assert all(out["allgather"]["collectives"] == {"all_reduce": 1 + 2 * MAIN_LAYERS, "all_gather": 1}
+               for out in tp2)
+
+
 def test_tp_sizes_that_do_not_divide_heads_or_groups_are_named(ckpt):
     config = ModelConfig.from_hf(ckpt)
     with pytest.raises(ValueError, match=r"num_attention_heads \(4\) and o_groups \(2\) divisible by the "

@@ -10,6 +10,7 @@ tokens and what it stores of the experts; the parent compares.
 from __future__ import annotations
 
 import torch
+from tp_workers import counting_collectives
 from v4_runs import Run, load_v4
 
 import deepinfer.distributed.backend as backend
@@ -89,6 +90,15 @@ def expert_storage(model: DeepseekV4ForCausalLM, ref: DeepseekV4ForCausalLM) -> 
             "same_cache": _cache_layout(model) == _cache_layout(ref)}
 
 
+def collectives_per_forward(model: DeepseekV4ForCausalLM) -> dict[str, int]:
+    """The all_reduce / all_gather calls of one main forward plus compute_logits (then the step's finish)."""
+    run = Run(model, prompts(0)[:1])
+    with torch.no_grad(), counting_collectives() as counts:
+        model.compute_logits(model(run.meta([5])))
+    model.parallel.finish_step()
+    return dict(counts)
+
+
 def _scenario(model, ref, replica: int, plan: tuple) -> dict:
     """This replica's part of a scenario: its sequences on the sharded and the reference model, or idling."""
     mtp = plan[replica]
@@ -106,6 +116,6 @@ def v4_world(rank: int, layout, path: str, comm_kinds: list[str], scenarios: lis
     out = {}
     for kind in comm_kinds:
         model = load_v4(path, ModelParallel.from_groups(groups, ref.config.n_routed_experts, kind))
-        out[kind] = {"storage": expert_storage(model, ref)}
+        out[kind] = {"storage": expert_storage(model, ref), "collectives": collectives_per_forward(model)}
         out[kind] |= {name: _scenario(model, ref, replica, SCENARIOS[name]) for name in scenarios}
     return out

@@ -38,7 +38,7 @@ from deepinfer.layers.attention import sink_attention
 from deepinfer.layers.batch_invariant import batch_invariant_enabled
 from deepinfer.layers.kv_quant import PagedPool, is_quantised, storage_dtype
 from deepinfer.layers.metadata import CacheTensorSpec, ForwardMeta
-from deepinfer.layers.moe import swiglu
+from deepinfer.layers.moe import routed_experts, swiglu
 from deepinfer.layers.norm import RMSNorm, rms_normalize
 from deepinfer.layers.rotary import RotaryTable, rotate_tail
 from deepinfer.models.v4_plan import CompressPlan, WindowPlan, compress_plan, window_plan
@@ -316,12 +316,18 @@ class SharedExpert(nn.Module):
         self.w3 = _linear(dim, inter // tp.size, _split(tp, 0, inter, "shared_experts.w3", "rows"))
         self.limit, self.mp = limit, mp
 
+    def partial(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's share of the output (the whole output on one TP rank); forward sums the shares."""
+        return self.w2(swiglu(torch.cat([self.w1(x), self.w3(x)], -1), self.limit))
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _tp_sum(self.w2(swiglu(torch.cat([self.w1(x), self.w3(x)], -1), self.limit)), self.mp)
+        return _tp_sum(self.partial(x), self.mp)
 
 
 class MoE(nn.Module):
-    """Routed experts (ParallelExperts: the complete routed sum on every rank) plus the shared expert."""
+    """Routed experts (ParallelExperts) plus the shared expert. With EP, ParallelExperts returns the complete
+    routed sum; otherwise both are split over the TP group along the intermediate dim, and one all-reduce
+    sums the two partial outputs (routed_experts on the local slices is ParallelExperts' unreduced output)."""
 
     def __init__(self, cfg: ModelConfig, layer: int, mp: ModelParallel):
         super().__init__()
@@ -333,7 +339,11 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
         ids, weights = self.gate(x, token_ids)
-        return self.experts(x, ids, weights) + self.shared_experts(x)
+        experts, mp = self.experts, self.experts.mp
+        if mp.expert_parallel:
+            return experts(x, ids, weights) + self.shared_experts(x)
+        routed = routed_experts(x, ids, weights, experts.w13, experts.w2, experts.limit)
+        return _tp_sum(routed + self.shared_experts.partial(x), mp)
 
 
 class HyperConnection(nn.Module):
