@@ -5,14 +5,15 @@ Cache layout (see docs/architecture.md): per layer a window ring (state); per co
 compressor-input ring (state) and a paged pool of compressed entries; CSA layers also an indexer
 ring and a paged pool of indexer keys. Rings are position-indexed (slot = position % length).
 
-Parallelism (``parallel: ModelParallel``): over a TP group of T ranks, rank r holds query heads and wo_a
-groups [r / T, (r + 1) / T) (wq_b rows, attn_sink, wo_a rows, wo_b columns; wo_b's partial sums are
-all-reduced), 1/T of the shared expert (w1 / w3 rows, w2 columns, all-reduced) and vocab rows of embed and
-head (tp.vocab_range). Everything else (wq_a, q_norm, the one MQA KV head, compressors, the Lightning
-Indexer, mHC, norms, routers) is replicated and computed identically on every rank, so the cache layout does
-not depend on the layout. Routed experts are ParallelExperts (EP or TP-split). On one rank every module is
-the plain single-process one (bit-identical to the model without parallelism). Parameters keep the
-checkpoint's names; a split one carries ``load_shard`` (models/weights.py), so loading takes full tensors.
+Parallelism (``parallel: ModelParallel``): over a TP group of T ranks, rank r holds query heads [r H / T, (r +
+1) H / T) and wo_a groups [r G / T, (r + 1) G / T) (wq_b rows, attn_sink, wo_a rows, wo_b columns; wo_b's
+partial sums are all-reduced), 1/T of the shared expert (w1 / w3 rows, w2 columns; see MoE for its all-reduce)
+and vocab rows of embed and head (tp.vocab_range). Everything else (wq_a, q_norm, the one MQA KV head,
+compressors, the Lightning Indexer, mHC, norms, routers) is replicated and computed identically on every rank,
+so the cache layout does not depend on the layout. Routed experts are ParallelExperts (EP or TP-split). On one
+rank every module is the plain single-process one (bit-identical to the model without parallelism). Parameters
+keep the checkpoint's names; a split one carries ``load_shard`` (models/weights.py), so loading takes full
+tensors.
 """
 
 from __future__ import annotations
@@ -91,10 +92,15 @@ def _tp_sum(x: torch.Tensor, mp: ModelParallel) -> torch.Tensor:
     return all_reduce(x, mp.tp_group) if mp.tp.size > 1 else x
 
 
+# The vocab-parallel tables and the plain modules they stand for on one TP rank.
+_PLAIN_TABLE = {VocabParallelEmbedding: lambda vocab, dim: nn.Embedding(vocab, dim),
+                ParallelLMHead: lambda vocab, dim: nn.Linear(dim, vocab, bias=False)}
+
+
 def _vocab_table(cls: type, vocab: int, dim: int, mp: ModelParallel) -> nn.Module:
-    """embed / head: the plain module on one TP rank, else this rank's vocab rows of cls (which gathers)."""
+    """embed / head: the plain module on one TP rank, else this rank's vocab rows of cls (full outputs)."""
     if mp.tp.size == 1:
-        return nn.Embedding(vocab, dim) if cls is VocabParallelEmbedding else nn.Linear(dim, vocab, bias=False)
+        return _PLAIN_TABLE[cls](vocab, dim)
     table = cls(torch.zeros(len(vocab_range(vocab, mp.tp)), dim), vocab, mp.tp_group)
     _sharded(table.weight, lambda t: vocab_shard(t, mp.tp))
     return table
