@@ -4,6 +4,16 @@ residual streams, hash-routed and learned MoE. Parameter names are DeepSeek's of
 Cache layout (see docs/architecture.md): per layer a window ring (state); per compressed layer a
 compressor-input ring (state) and a paged pool of compressed entries; CSA layers also an indexer
 ring and a paged pool of indexer keys. Rings are position-indexed (slot = position % length).
+
+Parallelism (``parallel: ModelParallel``): over a TP group of T ranks, rank r holds query heads [r H / T, (r +
+1) H / T) and wo_a groups [r G / T, (r + 1) G / T) (wq_b rows, attn_sink, wo_a rows, wo_b columns; wo_b's
+partial sums are all-reduced), 1/T of the shared expert (w1 / w3 rows, w2 columns; see MoE for its all-reduce)
+and vocab rows of embed and head (tp.vocab_range). Everything else (wq_a, q_norm, the one MQA KV head,
+compressors, the Lightning Indexer, mHC, norms, routers) is replicated and computed identically on every rank,
+so the cache layout does not depend on the layout. Routed experts are ParallelExperts (EP or TP-split). On one
+rank every module is the plain single-process one (bit-identical to the model without parallelism). Parameters
+keep the checkpoint's names; a split one carries ``load_shard`` (models/weights.py), so loading takes full
+tensors.
 """
 
 from __future__ import annotations
@@ -15,6 +25,16 @@ import torch.nn.functional as F
 from torch import nn
 
 from deepinfer.config import CSA, SLIDING, ModelConfig
+from deepinfer.distributed.model_parallel import ModelParallel, ParallelExperts
+from deepinfer.distributed.tp import (
+    ParallelLMHead,
+    TPRank,
+    VocabParallelEmbedding,
+    all_reduce,
+    split_units,
+    vocab_range,
+    vocab_shard,
+)
 from deepinfer.layers.attention import sink_attention
 from deepinfer.layers.batch_invariant import batch_invariant_enabled
 from deepinfer.layers.kv_quant import PagedPool, is_quantised, storage_dtype
@@ -44,6 +64,53 @@ class StepContext:
         if key not in self._compress:
             self._compress[key] = compress_plan(self.meta, ratio, overlap, self.lookahead)
         return self._compress[key]
+
+
+# ----------------------------------------------------------------------------------------- TP helpers
+
+
+def _split(tp: TPRank, dim: int, units: int, name: str, unit: str):
+    """load_shard for rank tp's block of `units` along `dim` (None on one rank: the full tensor is the shard)."""
+    return None if tp.size == 1 else (lambda t: split_units(t, dim, units, tp, name, unit))
+
+
+def _sharded(param: nn.Parameter, shard) -> nn.Parameter:
+    if shard is not None:
+        param.load_shard = shard
+    return param
+
+
+def _linear(in_features: int, out_features: int, shard=None) -> nn.Linear:
+    """A bias-free projection of this rank's shape; `shard` (None: replicated) cuts it from the full weight."""
+    linear = nn.Linear(in_features, out_features, bias=False)
+    _sharded(linear.weight, shard)
+    return linear
+
+
+def _tp_sum(x: torch.Tensor, mp: ModelParallel) -> torch.Tensor:
+    """Sum of a row-parallel projection's partial outputs over the TP group (x itself on one rank)."""
+    return all_reduce(x, mp.tp_group) if mp.tp.size > 1 else x
+
+
+# The vocab-parallel tables and the plain modules they stand for on one TP rank.
+_PLAIN_TABLE = {VocabParallelEmbedding: lambda vocab, dim: nn.Embedding(vocab, dim),
+                ParallelLMHead: lambda vocab, dim: nn.Linear(dim, vocab, bias=False)}
+
+
+def _vocab_table(cls: type, vocab: int, dim: int, mp: ModelParallel) -> nn.Module:
+    """embed / head: the plain module on one TP rank, else this rank's vocab rows of cls (full outputs)."""
+    if mp.tp.size == 1:
+        return _PLAIN_TABLE[cls](vocab, dim)
+    table = cls(torch.zeros(len(vocab_range(vocab, mp.tp)), dim), vocab, mp.tp_group)
+    _sharded(table.weight, lambda t: vocab_shard(t, mp.tp))
+    return table
+
+
+def check_tp_heads(cfg: ModelConfig, tp_size: int) -> None:
+    """Query heads and wo_a groups are split whole over the TP ranks."""
+    if cfg.num_heads % tp_size or cfg.o_groups % tp_size:
+        raise ValueError(f"DeepSeek-V4 tensor parallelism needs num_attention_heads ({cfg.num_heads}) and o_groups "
+                         f"({cfg.o_groups}) divisible by the tensor-parallel size {tp_size}")
 
 
 class Compressor(nn.Module):
@@ -133,20 +200,25 @@ class Indexer(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int):
+    """n_heads / groups are this rank's (all of them on one TP rank, check_tp_heads); one KV head for all."""
+
+    def __init__(self, cfg: ModelConfig, layer: int, mp: ModelParallel):
         super().__init__()
-        self.kind, self.ratio = cfg.layer_kinds[layer], cfg.compress_ratios[layer]
-        self.n_heads, self.head_dim, self.groups = cfg.num_heads, cfg.head_dim, cfg.o_groups
+        heads, groups, tp = cfg.num_heads, cfg.o_groups, mp.tp
+        self.kind, self.ratio, self.mp = cfg.layer_kinds[layer], cfg.compress_ratios[layer], mp
+        self.n_heads, self.head_dim, self.groups = heads // tp.size, cfg.head_dim, groups // tp.size
         self.rope_kind = "main" if self.kind == SLIDING else "compress"
         d, eps = cfg.hidden_size, cfg.rms_norm_eps
         self.wq_a = nn.Linear(d, cfg.q_lora_rank, bias=False)
         self.q_norm = RMSNorm(cfg.q_lora_rank, eps)
-        self.wq_b = nn.Linear(cfg.q_lora_rank, self.n_heads * self.head_dim, bias=False)
+        self.wq_b = _linear(cfg.q_lora_rank, self.n_heads * self.head_dim, _split(tp, 0, heads, "wq_b", "heads"))
         self.wkv = nn.Linear(d, self.head_dim, bias=False)
         self.kv_norm = RMSNorm(self.head_dim, eps)
-        self.wo_a = nn.Linear(self.n_heads * self.head_dim // self.groups, self.groups * cfg.o_lora_rank, bias=False)
-        self.wo_b = nn.Linear(self.groups * cfg.o_lora_rank, d, bias=False)
-        self.attn_sink = nn.Parameter(torch.zeros(self.n_heads, dtype=torch.float32))
+        self.wo_a = _linear(heads * self.head_dim // groups, self.groups * cfg.o_lora_rank,
+                            _split(tp, 0, groups, "wo_a", "groups"))
+        self.wo_b = _linear(self.groups * cfg.o_lora_rank, d, _split(tp, 1, groups, "wo_b", "groups"))
+        self.attn_sink = _sharded(nn.Parameter(torch.zeros(self.n_heads, dtype=torch.float32)),
+                                  _split(tp, 0, heads, "attn_sink", "heads"))
         self.eps = eps
         if self.kind != SLIDING:
             self.compressor = Compressor(d, self.head_dim, self.ratio, self.kind == CSA, eps)
@@ -176,7 +248,7 @@ class Attention(nn.Module):
             keys, valid = torch.cat([keys, extra], 1), torch.cat([valid, extra_valid], 1)
         out = sink_attention(q, keys, valid, self.attn_sink, self.head_dim**-0.5)
         out = rotate_tail(out, cos, -sin)  # undo the rope the values carried
-        return self.wo_b(self._grouped_wo_a(out))
+        return _tp_sum(self.wo_b(self._grouped_wo_a(out)), self.mp)
 
     def _window_keys(self, kv: torch.Tensor, plan: WindowPlan) -> tuple[torch.Tensor, torch.Tensor]:
         ring = self.cache["window"].view(-1, self.head_dim)
@@ -236,38 +308,48 @@ def _score(logits: torch.Tensor, fn: str) -> torch.Tensor:
     return logits.softmax(dim=-1)
 
 
-class Experts(nn.Module):
-    def __init__(self, n: int, dim: int, inter: int):
-        super().__init__()
-        self.w13 = nn.Parameter(torch.zeros(n, 2 * inter, dim))
-        self.w2 = nn.Parameter(torch.zeros(n, dim, inter))
-
-
 class SharedExpert(nn.Module):
-    def __init__(self, dim: int, inter: int, limit: float):
+    """swiglu MLP; over TP, w1 / w3 rows and w2 columns split (column- then row-parallel, one all-reduce)."""
+
+    def __init__(self, dim: int, inter: int, limit: float, mp: ModelParallel):
         super().__init__()
-        self.w1 = nn.Linear(dim, inter, bias=False)
-        self.w2 = nn.Linear(inter, dim, bias=False)
-        self.w3 = nn.Linear(dim, inter, bias=False)
-        self.limit = limit
+        tp = mp.tp
+        if inter % tp.size:
+            raise ValueError(f"shared expert intermediate size {inter} is not divisible by tensor-parallel size "
+                             f"{tp.size}")
+        self.w1 = _linear(dim, inter // tp.size, _split(tp, 0, inter, "shared_experts.w1", "rows"))
+        self.w2 = _linear(inter // tp.size, dim, _split(tp, 1, inter, "shared_experts.w2", "columns"))
+        self.w3 = _linear(dim, inter // tp.size, _split(tp, 0, inter, "shared_experts.w3", "rows"))
+        self.limit, self.mp = limit, mp
+
+    def partial(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's share of the output (the whole output on one TP rank); forward sums the shares."""
+        return self.w2(swiglu(torch.cat([self.w1(x), self.w3(x)], -1), self.limit))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(swiglu(torch.cat([self.w1(x), self.w3(x)], -1), self.limit))
+        return _tp_sum(self.partial(x), self.mp)
 
 
 class MoE(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int):
+    """Routed experts (ParallelExperts) plus the shared expert. With EP, ParallelExperts returns the complete
+    routed sum; otherwise both are split over the TP group along the intermediate dim, and one all-reduce
+    sums the two partial outputs (routed_experts on the local slices is ParallelExperts' unreduced output)."""
+
+    def __init__(self, cfg: ModelConfig, layer: int, mp: ModelParallel):
         super().__init__()
         self.gate = Gate(cfg, cfg.hash_layers[layer])
-        self.experts = Experts(cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size)
+        self.experts = ParallelExperts(cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size,
+                                       cfg.num_experts_per_tok, mp, cfg.swiglu_limit)
         inter = cfg.moe_intermediate_size * max(cfg.n_shared_experts, 1)
-        self.shared_experts = SharedExpert(cfg.hidden_size, inter, cfg.swiglu_limit)
-        self.limit = cfg.swiglu_limit
+        self.shared_experts = SharedExpert(cfg.hidden_size, inter, cfg.swiglu_limit, mp)
 
     def forward(self, x: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
         ids, weights = self.gate(x, token_ids)
-        routed = routed_experts(x, ids, weights, self.experts.w13, self.experts.w2, self.limit)
-        return routed + self.shared_experts(x)
+        experts, mp = self.experts, self.experts.mp
+        if mp.expert_parallel:
+            return experts(x, ids, weights) + self.shared_experts(x)
+        routed = routed_experts(x, ids, weights, experts.w13, experts.w2, experts.limit)
+        return _tp_sum(routed + self.shared_experts.partial(x), mp)
 
 
 class HyperConnection(nn.Module):
@@ -305,12 +387,12 @@ def hc_mix(streams: torch.Tensor, out: torch.Tensor, post: torch.Tensor, comb: t
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int):
+    def __init__(self, cfg: ModelConfig, layer: int, mp: ModelParallel):
         super().__init__()
         self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.attn = Attention(cfg, layer)
-        self.ffn = MoE(cfg, layer)
+        self.attn = Attention(cfg, layer, mp)
+        self.ffn = MoE(cfg, layer, mp)
         self.hc_attn = HyperConnection(cfg)
         self.hc_ffn = HyperConnection(cfg)
 
@@ -342,25 +424,31 @@ class HyperHead(nn.Module):
         return (pre.unsqueeze(-1) * streams.float()).sum(dim=1).to(streams.dtype)
 
 
-def _mtp_layers(config: ModelConfig) -> nn.ModuleList:
+def _mtp_layers(config: ModelConfig, mp: ModelParallel) -> nn.ModuleList:
+    """Built after the main layers on every rank: their MoE tags follow the main layers' (ParallelExperts)."""
     from deepinfer.models.mtp import MTPLayer  # imported here: mtp.py builds on this module's Block
 
-    return nn.ModuleList(MTPLayer(config, k) for k in range(config.num_mtp_layers))
+    return nn.ModuleList(MTPLayer(config, k, mp) for k in range(config.num_mtp_layers))
 
 
 class DeepseekV4ForCausalLM(nn.Module):
-    def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+                 parallel: ModelParallel | None = None):
+        """parallel: this rank's place in the TP / EP layout (None: one process). compute_logits returns the
+        full [N, V] logits on every TP rank; with EP every rank calls parallel.finish_step() after each step."""
         super().__init__()
         self.config, self.dtype = config, dtype
+        self.parallel = parallel = parallel or ModelParallel.single()
+        check_tp_heads(config, parallel.tp.size)  # before any layer (the vocab-parallel ones touch the group)
         self.kv_cache_dtype = "auto"  # storage of the paged pools: auto (model dtype) | fp8 | int8
         self.batch_invariant_kernels = True  # attention and indexer honour layers.batch_invariant
         self.num_lookahead_tokens = 0  # how many computed tokens may later be rolled back (speculation)
-        self.embed = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(Block(config, i) for i in range(config.num_layers))
+        self.embed = _vocab_table(VocabParallelEmbedding, config.vocab_size, config.hidden_size, parallel)
+        self.layers = nn.ModuleList(Block(config, i, parallel) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.head = _vocab_table(ParallelLMHead, config.vocab_size, config.hidden_size, parallel)
         self.hc_head = HyperHead(config)
-        self.mtp = _mtp_layers(config)
+        self.mtp = _mtp_layers(config, parallel)
         self.mtp_loaded = False  # True once a checkpoint supplied every mtp.* tensor
         self.to(device=device)
         self._cast_compute_weights(dtype)
@@ -370,7 +458,7 @@ class DeepseekV4ForCausalLM(nn.Module):
     def _cast_compute_weights(self, dtype: torch.dtype) -> None:
         """Projections run in `dtype`; norms, sinks, ape, mHC and router biases stay float32."""
         for module in self.modules():
-            if isinstance(module, (nn.Linear, nn.Embedding, Experts)):
+            if isinstance(module, (nn.Linear, nn.Embedding, ParallelExperts, VocabParallelEmbedding, ParallelLMHead)):
                 module.to(dtype)
 
     # --- cache -----------------------------------------------------------------------------------

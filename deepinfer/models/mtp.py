@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from deepinfer.config import ModelConfig
+from deepinfer.distributed.model_parallel import ModelParallel
 from deepinfer.layers.norm import RMSNorm
 from deepinfer.models.deepseek_v4 import Block, HyperHead, StepContext
 
@@ -39,8 +40,9 @@ def mtp_block_config(cfg: ModelConfig, k: int) -> ModelConfig:
 class MTPLayer(Block):
     """Block parameters (attn, ffn, attn_norm, ffn_norm, hc_attn, hc_ffn) plus the MTP fusion and head mix."""
 
-    def __init__(self, cfg: ModelConfig, k: int):
-        super().__init__(mtp_block_config(cfg, k), 0)
+    def __init__(self, cfg: ModelConfig, k: int, mp: ModelParallel | None = None):
+        """mp: the model's parallel handle (None: one process). The fusion and head mix are replicated."""
+        super().__init__(mtp_block_config(cfg, k), 0, mp or ModelParallel.single())
         d, eps = cfg.hidden_size, cfg.rms_norm_eps
         self.e_proj = nn.Linear(d, d, bias=False)
         self.h_proj = nn.Linear(d, d, bias=False)
