@@ -351,7 +351,7 @@ def test_two_torchrun_nodes_of_two_ranks_serve_the_engine(v4_ckpt, reference):
     """`torchrun` starts the ranks (2 "nodes" x 2 on loopback); the LLM is the driver they connect to."""
     driver, master = _free_port(), _free_port()
     layout = TORCHRUN_LAYOUT
-    flags = [f"--{k.replace('_', '-')}={v}" for k, v in layout.items()]
+    flags = [f"--{k.replace('_', '-')}" if v is True else f"--{k.replace('_', '-')}={v}" for k, v in layout.items()]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     nodes = [subprocess.Popen(
         [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2",

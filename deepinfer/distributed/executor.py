@@ -49,7 +49,7 @@ class Executor:
         self.sock.setsockopt(zmq.LINGER, 0)
         self.address = self._bind(args.driver_address)
         self.group = self._start(model_path, args)
-        self.ranks = self._await_ready(args.distributed_timeout_s + startup_allowance(args))
+        self.ranks = self._await_ready(startup_allowance(args))
         self.encoders = [PlanEncoder() for _ in range(args.parallel.data_parallel_size)]
         self._finalizer = weakref.finalize(self, _close, self.sock, self._ctx, self.group, self.layout.world_size)
 
@@ -75,7 +75,8 @@ class Executor:
         ranks: dict[int, RankInfo] = {}
         deadline = time.monotonic() + timeout_s
         while len(ranks) < self.layout.world_size:
-            kind, rank, payload = self._receive(deadline, "start")
+            kind, rank, payload = self._receive(deadline, f"start-up ({len(ranks)} of {self.layout.world_size} ranks "
+                                                          f"ready; start-up allowance {timeout_s:g} s)")
             if kind != "ready":
                 raise RanksFailed(f"rank {rank} sent {kind!r} before it was ready")
             ranks[rank] = payload
@@ -138,8 +139,8 @@ class Executor:
         if failures:
             self._die("; ".join(f"rank {r}: {why}" for r, why in sorted(failures.items())))
         if time.monotonic() > deadline:
-            self._die(f"the ranks did not answer {what} within {self.args.distributed_timeout_s:g} s "
-                      "(distributed_timeout_s)")
+            self._die(f"the ranks did not answer {what} in time (distributed_timeout_s "
+                      f"{self.args.distributed_timeout_s:g} s)")
 
     def _die(self, reason: str) -> None:
         self.dead = f"multi-rank engine failed: {reason}"
