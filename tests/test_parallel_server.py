@@ -15,7 +15,7 @@ from test_server import _get_status, _sse_events, running_server, tiny_checkpoin
 
 from deepinfer import LLM, SamplingParams
 
-LAYOUT = ["--data-parallel-size", "2", "--distributed-timeout-s", "30"]
+LAYOUT = ["--data-parallel-size", "2", "--enable-expert-parallel", "--distributed-timeout-s", "30"]
 
 
 @pytest.fixture(scope="module")
