@@ -29,6 +29,8 @@ LAYOUTS = {
     "dp4+ep allgather": {"data_parallel_size": 4, "enable_expert_parallel": True, "moe_comm": "allgather"},
     "dp4+ep alltoall": {"data_parallel_size": 4, "enable_expert_parallel": True, "moe_comm": "alltoall"},
     "dp2xtp2+ep allgather": {"data_parallel_size": 2, "tensor_parallel_size": 2, "enable_expert_parallel": True},
+    "dp2+ep alltoall tbo": {"data_parallel_size": 2, "enable_expert_parallel": True, "moe_comm": "alltoall",
+                            "two_batch_overlap": True},
 }
 BATCH, PROMPT, DECODE = 8, 8, 16
 
@@ -95,7 +97,7 @@ def _ranks(llm, own_rss: int) -> list[dict]:
 def closed_form(ckpt: str, options: dict) -> int | None:
     """bytes_moved for one decode step: every replica's BATCH / D tokens, split over its TP ranks."""
     from deepinfer.config import ModelConfig
-    from deepinfer.distributed.moe_comm import bytes_moved
+    from deepinfer.distributed.moe_comm import HEADER_BYTES, bytes_moved
 
     if not options.get("enable_expert_parallel"):
         return None
@@ -104,9 +106,15 @@ def closed_form(ckpt: str, options: dict) -> int | None:
     per_replica = BATCH // d
     tokens = [len(range(r * -(-per_replica // t), min((r + 1) * -(-per_replica // t), per_replica)))
               for _ in range(d) for r in range(t)]
-    one = bytes_moved(options.get("moe_comm", "allgather"), tokens, cfg.hidden_size, cfg.num_experts_per_tok,
-                      d * t, 4, cfg.n_routed_experts)
-    return one * cfg.num_layers
+    kind, world = options.get("moe_comm", "allgather"), d * t
+    lanes = [tokens]
+    if options.get("two_batch_overlap"):  # a replica's requests split into two micro-batches
+        lanes = [[n // 2 for n in tokens], [n - n // 2 for n in tokens]]
+    per_layer = sum(bytes_moved(kind, lane, cfg.hidden_size, cfg.num_experts_per_tok, world, 4, cfg.n_routed_experts)
+                    for lane in lanes)
+    # every rank ends a step with one more header round (all drain), per lane
+    header = world * world * (HEADER_BYTES if kind == "allgather" else 8 * (cfg.n_routed_experts + 1))
+    return per_layer * cfg.num_layers + header * len(lanes)
 
 
 def plot(results: dict, path: Path) -> None:
