@@ -78,13 +78,15 @@ def _v4_attention(cfg: ModelConfig, kind: str, ratio: int) -> list[Weights]:
     out = [Weights("attention", PROJ, d * ql + d * hd),  # wq_a, wkv: replicated
            Weights("attention", PROJ, ql * h * hd + h * hd * cfg.o_lora_rank + cfg.o_groups * cfg.o_lora_rank * d,
                    tp_split=True),  # wq_b, wo_a, wo_b: head-parallel
-           Weights("attention", FP32, ql + hd + h)]  # q_norm, kv_norm, attn_sink
+           Weights("attention", FP32, ql + hd),  # q_norm, kv_norm
+           Weights("attention", FP32, h, tp_split=True)]  # attn_sink: per head
     if kind != SLIDING:
         out += _compressor(d, hd, ratio, kind == CSA)
     if kind == CSA:
         ih = cfg.index_n_heads
-        out += [Weights("attention", PROJ, ql * ih * cfg.index_head_dim, tp_split=True),  # indexer.wq_b
-                Weights("attention", HALF, d * ih, tp_split=True)]  # indexer.weights_proj
+        # the engine replicates the Lightning Indexer (computed identically on every TP rank)
+        out += [Weights("attention", PROJ, ql * ih * cfg.index_head_dim),  # indexer.wq_b
+                Weights("attention", HALF, d * ih)]  # indexer.weights_proj
         out += _compressor(d, cfg.index_head_dim, ratio, True)
     return out
 
