@@ -19,10 +19,10 @@ from torch import nn
 from tqdm import tqdm
 
 from deepinfer.config import ModelConfig
-from deepinfer.distributed.model_parallel import ModelParallel, ParallelExperts
+from deepinfer.distributed.model_parallel import ModelParallel
 from deepinfer.distributed.moe_comm import place_experts
 from deepinfer.models import loader
-from deepinfer.models.deepseek_v4 import DeepseekV4ForCausalLM, Experts
+from deepinfer.models.deepseek_v4 import DeepseekV4ForCausalLM
 from deepinfer.models.loader import CheckpointError, iter_checkpoint
 from deepinfer.models.weights import wanted_names
 
@@ -131,14 +131,8 @@ def reads(monkeypatch):
 def rank_model(path, world: int, rank: int) -> DeepseekV4ForCausalLM:
     """The tiny V4 model as EP rank `rank` of `world` builds it: routed experts hold only the rank's block."""
     config = ModelConfig.from_hf(path)
-    model = DeepseekV4ForCausalLM(config)
     mp = ModelParallel(placement=place_experts(config.n_routed_experts, world), ep_rank=rank)
-    for name, module in list(model.named_modules()):
-        if isinstance(module, Experts):
-            parent, _, leaf = name.rpartition(".")
-            n, inter, dim = module.w2.shape[0], module.w2.shape[2], module.w2.shape[1]
-            setattr(model.get_submodule(parent), leaf, ParallelExperts(n, dim, inter, config.num_experts_per_tok, mp))
-    return model
+    return DeepseekV4ForCausalLM(config, parallel=mp)  # no process group is needed to build and load it
 
 
 def load(path, model) -> list[tuple[str, torch.Tensor, str]]:
