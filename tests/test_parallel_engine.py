@@ -17,7 +17,7 @@ import time
 
 import pytest
 import torch
-from test_spec_decode import _with_mtp
+from test_spec_decode import _with_mtp, _with_v3_mtp
 from tiny_models import make_reference, save_reference, write_tokenizer
 
 from deepinfer import LLM, SamplingParams
@@ -273,6 +273,41 @@ def test_layout_matches_one_process(family_ckpts, kind, layout):
         hits = sum(core.kv.prefix_hits for core in _replicas(llm))
     assert got == want
     assert hits > 0
+
+
+MTP_CELLS = [pytest.param("v4", "tp2", id="v4-tp2"), pytest.param("v3", "dp2+ep", id="v3-dp2+ep"),
+             pytest.param("v3", "tp2", id="v3-tp2", marks=pytest.mark.slow),
+             pytest.param("v4b", "dp2+ep alltoall", id="v4b-dp2+ep-alltoall", marks=pytest.mark.slow),
+             pytest.param("v4", "dp2xtp2+ep", id="v4-dp2xtp2+ep", marks=pytest.mark.slow),
+             pytest.param("v3", "dp2xtp2+ep", id="v3-dp2xtp2+ep", marks=pytest.mark.slow)]
+
+
+@pytest.fixture(scope="module")
+def mtp_ckpts(family_ckpts, tmp_path_factory):
+    cache = {}
+
+    def get(kind: str):
+        if kind not in cache:
+            add = _with_v3_mtp if kind == "v3" else _with_mtp
+            cache[kind] = add(family_ckpts(kind), tmp_path_factory.mktemp(f"par-{kind}-mtp") / "model")
+        return cache[kind]
+    return get
+
+
+@pytest.mark.parametrize("kind, layout", MTP_CELLS)
+def test_mtp_speculation_in_layout_matches_one_process(mtp_ckpts, kind, layout):
+    """MTP drafts on every rank (its layer sharded like the others); greedy tokens equal one process's."""
+    ckpt = mtp_ckpts(kind)
+    spec = {"method": "mtp", "num_speculative_tokens": 2}
+    prompts = _prompts(14, [12, 3, 21, 8])
+    with LLM(ckpt, **OPTIONS) as ref:
+        want = _tokens(ref.generate(prompts, GREEDY, use_tqdm=False))
+    with LLM(ckpt, **OPTIONS, **MATRIX_LAYOUTS[layout], speculative_config=spec) as llm:
+        got = _tokens(llm.generate(prompts, GREEDY, use_tqdm=False))
+        accepted = sum(core.scheduler.spec_stats.num_accepted_tokens for core in _replicas(llm))
+        drafted = sum(core.scheduler.spec_stats.num_draft_tokens for core in _replicas(llm))
+    assert got == want
+    assert drafted > 0 and accepted >= 0
 
 
 # --- lifetime --------------------------------------------------------------------------------------
