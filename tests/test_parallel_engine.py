@@ -37,7 +37,8 @@ OPTIONS = dict(block_size=16, max_num_batched_tokens=7, max_num_seqs=4, kv_cache
                load_progress=False, distributed_timeout_s=30.0)
 # The DeepSeek layout (attention DP + EP) for the feature tests; the matrix below covers the others.
 LAYOUTS = {"dp2+ep": dict(data_parallel_size=2, enable_expert_parallel=True),
-           "dp2+ep tbo": dict(data_parallel_size=2, enable_expert_parallel=True, two_batch_overlap=True)}
+           "dp2+ep tbo": dict(data_parallel_size=2, enable_expert_parallel=True, two_batch_overlap=True),
+           "dp2+ep async": dict(data_parallel_size=2, enable_expert_parallel=True, async_scheduling=True)}
 TORCHRUN_LAYOUT = dict(data_parallel_size=2, tensor_parallel_size=2, enable_expert_parallel=True)
 SPEC_LAYOUT = dict(data_parallel_size=2, enable_expert_parallel=True)
 
@@ -158,7 +159,8 @@ def test_prefix_hits_and_seeded_samples_match(parallel_llm, reference):
         got = _tokens(parallel_llm.generate(prompts, params, use_tqdm=False))
         assert got == _tokens(reference.generate(prompts, params, use_tqdm=False))
     hits = sum(core.kv.prefix_hits for core in parallel_llm.engine.replicas)
-    assert hits > 0
+    # async scheduling finds no hit here in one process either (it hashes a block only once its tokens are known)
+    assert hits > 0 or parallel_llm.engine.args.async_scheduling
 
 
 def test_preemption_matches(v4_ckpt, reference):
@@ -234,13 +236,14 @@ MATRIX_LAYOUTS = {
     "dp2+ep": EP2,
     "dp2+ep alltoall": {**EP2, "moe_comm": "alltoall"},
     "dp2xtp2+ep": {**EP2, "tensor_parallel_size": 2},
+    "tp2 async": dict(tensor_parallel_size=2, async_scheduling=True),
 }
 # Routed expert counts that do not divide the EP sizes 2 and 4 (V3/V2: 3 groups of 3 for group-limited routing).
 ODD_EXPERTS = {"v4": dict(n_routed_experts=7), "v4b": dict(n_routed_experts=7),
                "v3": dict(n_routed_experts=9, n_group=3, topk_group=2),
                "v2": dict(n_routed_experts=9, n_group=3, topk_group=2)}
 FAST = {("v4", "tp2"), ("v4", "dp2+ep"), ("v4b", "dp2+ep alltoall"), ("v3", "dp2+ep alltoall"), ("v2", "tp2"),
-        ("v3", "dp2xtp2+ep")}
+        ("v3", "dp2xtp2+ep"), ("v4", "tp2 async")}
 MATRIX = [pytest.param(kind, name, id=f"{kind}-{name}",
                        marks=() if (kind, name) in FAST else pytest.mark.slow)
           for kind in ODD_EXPERTS for name in MATRIX_LAYOUTS]
@@ -272,7 +275,7 @@ def test_layout_matches_one_process(family_ckpts, kind, layout):
         got = [_tokens(llm.generate(b, GREEDY, use_tqdm=False)) for b in batches + batches[-1:]]
         hits = sum(core.kv.prefix_hits for core in _replicas(llm))
     assert got == want
-    assert hits > 0
+    assert hits > 0 or "async" in layout  # see test_prefix_hits_and_seeded_samples_match
 
 
 MTP_CELLS = [pytest.param("v4", "tp2", id="v4-tp2"), pytest.param("v3", "dp2+ep", id="v3-dp2+ep"),

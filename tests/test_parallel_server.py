@@ -15,7 +15,8 @@ from test_server import _get_status, _sse_events, running_server, tiny_checkpoin
 
 from deepinfer import LLM, SamplingParams
 
-LAYOUT = ["--data-parallel-size", "2", "--enable-expert-parallel", "--distributed-timeout-s", "30"]
+# async scheduling: rank stats requests then interleave with steps in flight
+LAYOUT = ["--data-parallel-size", "2", "--enable-expert-parallel", "--async-scheduling", "--distributed-timeout-s", "30"]
 
 
 @pytest.fixture(scope="module")

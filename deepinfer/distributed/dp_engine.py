@@ -63,7 +63,7 @@ def replica_load(core: EngineCore) -> tuple[int, int]:
 
 
 class DPEngineCore:
-    """EngineCore's interface over data_parallel_size replicas (synchronous steps only)."""
+    """EngineCore's interface over data_parallel_size replicas."""
 
     def __init__(self, model: str | Path, args: EngineArgs, executor: Executor):
         self._executor = executor
@@ -102,8 +102,29 @@ class DPEngineCore:
     def has_unfinished(self) -> bool:
         return any(core.has_unfinished for core in self.replicas)
 
+    @property
+    def in_flight(self) -> bool:
+        return any(core.in_flight is not None for core in self.replicas)
+
     # --- stepping ------------------------------------------------------------------------------
     def step(self) -> list[Request]:
+        touched = self._step_async() if self.args.async_scheduling else self._step_sync()
+        for req in touched:
+            if req.is_finished:
+                self.owner.pop(req.request_id, None)
+        return touched
+
+    def _step_async(self) -> list[Request]:
+        """One round: every replica submits its next step and folds in its previous one (EngineCore's async
+        step, its plan sent within this round); replicas with nothing to submit get an empty plan."""
+        self._executor.begin_round()
+        touched = [req for core in self.replicas for req in core.step()]
+        self._executor.end_round()
+        self.last_scheduled = merge_scheduled([core.last_scheduled for core in self.replicas])
+        self.last_result = merge_results([core.last_result for core in self.replicas])
+        return touched
+
+    def _step_sync(self) -> list[Request]:
         started = time.perf_counter()
         halves = [core.begin_step() for core in self.replicas]
         touched = [req for failed, _ in halves for req in failed]
@@ -113,9 +134,6 @@ class DPEngineCore:
         for core, (_, out), result in zip(self.replicas, halves, results):
             touched += core.end_step(out, result, started) if result is not None else []
         self._record(halves, results)
-        for req in touched:
-            if req.is_finished:
-                self.owner.pop(req.request_id, None)
         return touched
 
     def _record(self, halves, results) -> None:
@@ -123,7 +141,10 @@ class DPEngineCore:
         self.last_result = merge_results([r for r in results if r is not None])
 
     def shutdown(self) -> None:
-        self._executor.close()
+        for core in self.replicas:  # every replica's step in flight first, then the ranks
+            core.settle()
+        for core in self.replicas:
+            core.shutdown()
 
 
 def merge_scheduled(outs: list[SchedulerOutput]) -> SchedulerOutput:

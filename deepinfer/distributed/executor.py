@@ -14,10 +14,12 @@ only that step's requests).
 
 from __future__ import annotations
 
+import functools
 import logging
 import pickle
 import time
 import weakref
+from concurrent.futures import Future
 from pathlib import Path
 
 import zmq
@@ -44,6 +46,9 @@ class Executor:
         self.args, self.layout = args, make_layout(args.parallel)
         self.dead: str | None = None
         self.step_id = 0
+        self._pending: dict[tuple[int, int], PendingStep] = {}  # (round, replica) -> its answer, until it comes
+        self._stats: dict[tuple[int, int], RankStats] = {}
+        self._round: dict[int, PendingStep] = {}
         self._ctx = zmq.Context()
         self.sock = self._ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
@@ -95,33 +100,68 @@ class Executor:
         return self.ranks[0].replay_tokens
 
     # --- stepping -------------------------------------------------------------------------------
+    # A round is one step of every DP replica: each replica with work submits its plan, the others get an
+    # empty plan at end_round (their ranks still step). Each plan's answer comes back as a PendingStep; answers
+    # are matched by (round, replica), so rounds may overlap (async scheduling submits round N + 1 before
+    # collecting round N).
     def execute(self, steps: list[tuple[SchedulerOutput, set[str]] | None]) -> list[RunnerOutput | None]:
-        """One step of every DP replica: steps[d] is replica d's (output, ids its scheduler still tracks), or
-        None when it has nothing to run. Returns each replica's RunnerOutput (None for idle ones)."""
+        """One synchronous round: steps[d] is replica d's (output, ids its scheduler still tracks), or None when
+        it has nothing to run. Returns each replica's RunnerOutput (None for idle ones)."""
+        self.begin_round()
+        pending = [None if step is None else self.submit(d, *step) for d, step in enumerate(steps)]
+        self.end_round()
+        return [None if p is None else p.result() for p in pending]
+
+    def begin_round(self) -> None:
         if self.dead is not None:
             raise RanksFailed(self.dead)
         self.step_id += 1
-        plans = [self._plan(d, step) for d, step in enumerate(steps)]
-        for d, plan in enumerate(plans):
-            self._send_plan(d, plan)
-        return self._collect(plans)
+        self._round: dict[int, PendingStep] = {}
 
-    def _plan(self, d: int, step: tuple[SchedulerOutput, set[str]] | None) -> ReplicaPlan:
-        return ReplicaPlan() if step is None else self.encoders[d].encode(*step)
+    def submit(self, d: int, out: SchedulerOutput, live: set[str], defer_grammar: bool = False) -> PendingStep:
+        """Send replica d's plan for this round. defer_grammar: out's bitmask is resolved later, on this thread
+        (async scheduling); it follows the plan as its own message once resolved."""
+        plan = self.encoders[d].encode(out, live, defer_grammar)
+        self._send(d, ("step", self.step_id, plan))
+        if plan.grammar_pending:
+            out.grammar_bitmask.add_done_callback(functools.partial(self._send_mask, d, self.step_id))
+        return self._expect(d)
 
-    def _send_plan(self, d: int, plan: ReplicaPlan) -> None:
-        payload = pickle.dumps(("step", self.step_id, plan))
+    def end_round(self) -> None:
+        """Empty plans for the replicas that submitted nothing this round (none if no replica submitted)."""
+        if not self._round:
+            return
+        for d in range(len(self.encoders)):
+            if d not in self._round:
+                self._send(d, ("step", self.step_id, ReplicaPlan()))
+                self._expect(d)
+
+    def _expect(self, d: int) -> PendingStep:
+        pending = self._round[d] = self._pending[(self.step_id, d)] = PendingStep(self, (self.step_id, d))
+        return pending
+
+    def _send(self, d: int, message: tuple) -> None:
+        payload = pickle.dumps(message)
         for rank in self.layout.tp_groups[d]:
             self.sock.send_multipart([f"rank{rank}".encode(), payload])
 
-    def _collect(self, plans: list[ReplicaPlan]) -> list[RunnerOutput | None]:
-        results: dict[int, RunnerOutput | None] = {}
+    def _send_mask(self, d: int, step: int, future) -> None:
+        mask = None if future.exception() is not None else future.result()
+        if self.dead is None:
+            self._send(d, ("mask", step, mask))
+
+    def wait_for(self, key: tuple[int, int]) -> None:
+        """Receive answers until the one for `key` is in (others are filed as they come)."""
         deadline = time.monotonic() + self.args.distributed_timeout_s
-        while len(results) < len(plans):
-            kind, step, d, result = self._receive(deadline, f"step {self.step_id}")
-            if kind == "result" and step == self.step_id:
-                results[d] = result
-        return [results[d] for d in range(len(plans))]
+        while key in self._pending:
+            self._file(self._receive(deadline, f"step {key[0]} of replica {key[1]}"))
+
+    def _file(self, message: tuple) -> None:
+        kind, step, who, value = message
+        if kind == "result" and (step, who) in self._pending:
+            self._pending.pop((step, who)).set_result(value)
+        elif kind == "stats":
+            self._stats[(step, who)] = value
 
     def _receive(self, deadline: float, what: str) -> tuple:
         """The next message from any rank; RanksFailed on a reported error, a dead or hung rank, or the
@@ -143,25 +183,29 @@ class Executor:
                       f"{self.args.distributed_timeout_s:g} s)")
 
     def _die(self, reason: str) -> None:
+        """Fail for good: every answer still expected fails too (so nothing waits on it)."""
         self.dead = f"multi-rank engine failed: {reason}"
         logger.error("%s", self.dead)
-        raise RanksFailed(self.dead)
+        error = RanksFailed(self.dead)
+        for pending in self._pending.values():
+            if not pending.done():
+                pending.set_exception(error)
+        self._pending.clear()
+        raise error
 
     def rank_stats(self) -> list[RankStats]:
-        """Every rank's RankStats, in rank order (between steps)."""
+        """Every rank's RankStats, in rank order (answered after the steps already sent to it)."""
         if self.dead is not None:
             raise RanksFailed(self.dead)
         self.step_id += 1
-        payload = pickle.dumps(("stats", self.step_id, None))
+        stats_id = self.step_id
+        payload = pickle.dumps(("stats", stats_id, None))
         for rank in range(self.layout.world_size):
             self.sock.send_multipart([f"rank{rank}".encode(), payload])
-        stats: dict[int, RankStats] = {}
         deadline = time.monotonic() + self.args.distributed_timeout_s
-        while len(stats) < self.layout.world_size:
-            kind, step, rank, value = self._receive(deadline, "a stats request")
-            if kind == "stats" and step == self.step_id:
-                stats[rank] = value
-        return [stats[r] for r in range(self.layout.world_size)]
+        while len([k for k in self._stats if k[0] == stats_id]) < self.layout.world_size:
+            self._file(self._receive(deadline, "a stats request"))
+        return [self._stats.pop((stats_id, r)) for r in range(self.layout.world_size)]
 
     # --- shutdown -------------------------------------------------------------------------------
     def close(self) -> None:
@@ -187,6 +231,19 @@ def _close(sock: zmq.Socket, ctx: zmq.Context, group: WorkerGroup | None, world:
     ctx.term()
 
 
+class PendingStep(Future):
+    """A replica's answer to one round; result() receives answers (on the driver's thread) until it is in."""
+
+    def __init__(self, executor: Executor, key: tuple[int, int]):
+        super().__init__()
+        self.executor, self.key = executor, key
+
+    def result(self, timeout: float | None = None):
+        if not self.done():
+            self.executor.wait_for(self.key)
+        return super().result(timeout)
+
+
 class ReplicaRunner:
     """What EngineCore sees of DP replica d's ranks: their agreed cache layout and (data_parallel_size 1
     only) execute(). With several replicas, DPEngineCore steps them all through Executor.execute at once."""
@@ -198,6 +255,17 @@ class ReplicaRunner:
 
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
         return self.executor.execute([(out, set(self.scheduler.requests))])[0]
+
+    def submit(self, out: SchedulerOutput) -> PendingStep:
+        """Async scheduling: send this replica's plan now; the answer is collected when result() is called.
+        data_parallel_size 1 opens and closes its own round; DPEngineCore opens rounds for all replicas."""
+        own_round = len(self.executor.encoders) == 1
+        if own_round:
+            self.executor.begin_round()
+        pending = self.executor.submit(self.replica, out, set(self.scheduler.requests), defer_grammar=True)
+        if own_round:
+            self.executor.end_round()
+        return pending
 
     def close(self) -> None:
         self.executor.close()

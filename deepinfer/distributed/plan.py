@@ -72,6 +72,7 @@ class ReplicaPlan:
     restores: list[tuple[int, int]] = field(default_factory=list)
     snapshots: list[tuple[int, int]] = field(default_factory=list)
     grammar: tuple[list[str], torch.Tensor] | None = None  # the resolved bitmask (ids, int32 [K, words])
+    grammar_pending: bool = False  # the bitmask follows as a ("mask", step, value) message (async scheduling)
     propose_drafts: bool = True
     dropped: list[str] = field(default_factory=list)  # finished since the last plan: forget their mirrors
 
@@ -86,8 +87,9 @@ class PlanEncoder:
     def __init__(self):
         self.synced: dict[str, int] = {}  # request id -> outputs the ranks' mirror holds
 
-    def encode(self, out: SchedulerOutput, live: set[str]) -> ReplicaPlan:
-        """`live`: ids the scheduler still tracks (mirrors of the others are dropped)."""
+    def encode(self, out: SchedulerOutput, live: set[str], defer_grammar: bool = False) -> ReplicaPlan:
+        """`live`: ids the scheduler still tracks (mirrors of the others are dropped). defer_grammar: a bitmask
+        not resolved yet is not waited for; the plan says it follows."""
         plan = ReplicaPlan(dropped=self._drop(live), forks=list(out.forks), restores=list(out.restores),
                            snapshots=list(out.snapshots), propose_drafts=out.propose_drafts)
         for s in out.scheduled:
@@ -95,8 +97,11 @@ class PlanEncoder:
         for child in out.fork_children:
             plan.fork_children.append(NewRequest.of(child))
             self.synced[child.request_id] = 0
-        if out.grammar_bitmask is not None:  # the rank samples; the mask must be final before it is sent
-            plan.grammar = out.grammar_bitmask.result()
+        mask = out.grammar_bitmask
+        if mask is not None and defer_grammar and not mask.done():
+            plan.grammar_pending = True
+        elif mask is not None:  # the rank samples; the mask must be final before it is sent
+            plan.grammar = mask.result()
         return plan
 
     def _drop(self, live: set[str]) -> list[str]:
@@ -122,7 +127,8 @@ class MirrorBook:
     def __init__(self):
         self.requests: dict[str, Request] = {}
 
-    def decode(self, plan: ReplicaPlan) -> SchedulerOutput:
+    def decode(self, plan: ReplicaPlan, pending_mask: Future | None = None) -> SchedulerOutput:
+        """pending_mask: the bitmask's stand-in when the plan says it follows."""
         for rid in plan.dropped:
             self.requests.pop(rid, None)
         for new in plan.new + plan.fork_children:
@@ -130,6 +136,8 @@ class MirrorBook:
         scheduled = [self._scheduled(item) for item in plan.scheduled]
         children = [self.requests[c.request_id] for c in plan.fork_children]
         grammar = _resolved(plan.grammar) if plan.grammar is not None else None
+        if plan.grammar_pending:
+            grammar = pending_mask
         return SchedulerOutput(scheduled, list(plan.forks), children, restores=list(plan.restores),
                                snapshots=list(plan.snapshots), grammar_bitmask=grammar,
                                propose_drafts=plan.propose_drafts)

@@ -19,6 +19,7 @@ import os
 import pickle
 import threading
 import traceback
+from concurrent.futures import Future
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -147,7 +148,9 @@ class RankWorker:
             if kind == "stats":
                 sock.send(pickle.dumps(("stats", step, self.rank, self.stats())))
                 continue
-            result = self.execute(plan)
+            if kind != "step":  # a bitmask its step did not read (no constrained row sampled)
+                continue
+            result = self.execute(plan, _MaskFromDriver(sock, step) if plan.grammar_pending else None)
             self.steps += 1
             if self.tp_rank == 0:
                 sock.send(pickle.dumps(("result", step, self.dp_rank, result)))
@@ -159,15 +162,32 @@ class RankWorker:
         return RankStats(self.rank, self.dp_rank, self.tp_rank, _nbytes(tensors), _nbytes(experts),
                          peak_rss_bytes(), moe, self.steps)
 
-    def execute(self, plan: ReplicaPlan):
+    def execute(self, plan: ReplicaPlan, pending_mask: Future | None = None):
         """Run this replica's plan (None when idle), then join the step's remaining EP rounds (with two-batch
         overlap each lane drains right after its forward)."""
-        out = self.book.decode(plan)
+        out = self.book.decode(plan, pending_mask)
         if self.overlap is not None:
             return self.overlap.idle() if plan.is_idle else self.runner.execute(out)
         result = None if plan.is_idle else self.runner.execute(out)
         self.parallel.finish_step()
         return result
+
+
+class _MaskFromDriver(Future):
+    """Async scheduling: a step's bitmask, sent by the driver right after the step's plan (once the previous
+    step's tokens reached the matchers). The sampler's result() call receives it; nothing else can come first."""
+
+    def __init__(self, sock: zmq.Socket, step: int):
+        super().__init__()
+        self.sock, self.step = sock, step
+
+    def result(self, timeout: float | None = None):
+        if not self.done():
+            kind, step, mask = pickle.loads(self.sock.recv())
+            if (kind, step) != ("mask", self.step):
+                raise RuntimeError(f"expected the bitmask of step {self.step}, got {kind!r} for step {step}")
+            self.set_result(mask)
+        return super().result(timeout)
 
 
 def _nbytes(tensors) -> int:

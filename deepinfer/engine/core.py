@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 
@@ -42,9 +42,6 @@ def effective_args(args: EngineArgs | None) -> EngineArgs:
     args = args or EngineArgs()
     if args.speculative is not None and args.async_scheduling:
         logger.info("speculative decoding runs synchronous steps: async scheduling is off")
-        args = replace(args, async_scheduling=False)
-    if args.parallel.world_size > 1 and args.async_scheduling:
-        logger.info("multi-rank engines run synchronous steps for now: async scheduling is off")
         args = replace(args, async_scheduling=False)
     return args
 
@@ -259,7 +256,7 @@ class EngineCore:
         if not out.is_empty:
             if self.structured is not None:  # masks need the previous step's tokens: resolved after its update
                 out.grammar_bitmask = Future()
-            self.in_flight = (out, self._worker.submit(self.runner.execute, out))
+            self.in_flight = (out, self._submit(out))
         try:
             if previous is None:
                 self.last_scheduled, self.last_result = SchedulerOutput(), RunnerOutput()
@@ -269,6 +266,11 @@ class EngineCore:
             return failed + self.scheduler.update(previous[0], self.last_result)
         finally:
             self._fill_masks(out)
+
+    def _submit(self, out: SchedulerOutput) -> Future:
+        """The step's forward, started: on the forward thread, or (ranks) sent to them at once."""
+        submit = getattr(self.runner, "submit", None)
+        return submit(out) if submit is not None else self._worker.submit(self.runner.execute, out)
 
     def _fill_masks(self, out: SchedulerOutput) -> None:
         """Async: resolve the in-flight step's bitmask once its requests' matchers hold every known token
@@ -289,20 +291,32 @@ class EngineCore:
             if self.in_flight is not None:
                 queued, self.in_flight = self.in_flight, None
                 _abandon_masks(queued[0])  # its sampler must not wait for masks that will never come
-                wait([queued[1]])
+                _settle(queued[1])
                 self.last_scheduled = _merged(self.last_scheduled, queued[0])
             raise
 
+    def settle(self) -> None:
+        """Wait for the step in flight, if any, to end (its tokens are dropped)."""
+        if self.in_flight is not None:
+            _settle(self.in_flight[1])
+            self.in_flight = None
+
     def shutdown(self) -> None:
         """Finish the step in flight (its tokens are dropped), stop the worker thread and any ranks."""
+        self.settle()
         close = getattr(self.runner, "close", None)
         if close is not None:
             close()
         if self._worker is not None:
-            if self.in_flight is not None:
-                wait([self.in_flight[1]])
-                self.in_flight = None
             self._worker.shutdown()
+
+
+def _settle(future: Future) -> None:
+    """Wait for a step's forward to end, however it ends (result() also collects a rank step's answer)."""
+    try:
+        future.result()
+    except Exception:
+        pass
 
 
 def _sampling_requests(out: SchedulerOutput) -> list[Request]:
