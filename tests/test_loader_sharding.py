@@ -21,10 +21,11 @@ from tqdm import tqdm
 from deepinfer.config import ModelConfig
 from deepinfer.distributed.model_parallel import ModelParallel
 from deepinfer.distributed.moe_comm import place_experts
+from deepinfer.distributed.tp import TPRank, column_shard, head_shard, row_shard, vocab_shard
 from deepinfer.models import loader
 from deepinfer.models.deepseek_v4 import DeepseekV4ForCausalLM
 from deepinfer.models.loader import CheckpointError, iter_checkpoint
-from deepinfer.models.weights import wanted_names
+from deepinfer.models.weights import contiguous_block, wanted_names
 
 EXPERT = re.compile(r"^(?P<layer>.*)\.experts\.(?P<idx>\d+)\.")
 SHARDS = ("model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors")
@@ -282,3 +283,34 @@ def test_hf_expert_names_and_duck_typed_owner():
     assert wanted(f"{prefix}.9.up_proj.weight")  # out of range: left for loading to reject
     assert wanted(f"{prefix}.gate_up_proj") and wanted("model.layers.0.mlp.shared_experts.gate_proj.weight")
     assert wanted("model.layers.1.mlp.experts.0.gate_proj.weight")  # no owner module there
+
+
+# --- TP blocks ------------------------------------------------------------------------------------------
+def test_contiguous_block_finds_tp_splits():
+    tp = TPRank(1, 4)
+    full = (8, 12)
+    assert contiguous_block(lambda t: column_shard(t, tp, "w"), full) == (slice(2, 4), slice(None))
+    assert contiguous_block(lambda t: row_shard(t, tp, "w"), full) == (slice(None), slice(3, 6))
+    assert contiguous_block(lambda t: head_shard(t, 4, tp, "o", dim=1), full) == (slice(None), slice(3, 6))
+    assert contiguous_block(lambda t: vocab_shard(t, TPRank(3, 4)), (37, 5)) == (slice(30, 37), slice(None))
+    assert contiguous_block(lambda t: t[::2].clone(), full) is None  # not one block: read whole, then cut
+    assert contiguous_block(lambda t: t, full) is None  # keeps everything
+
+
+def test_tp_blocks_are_read_alone(plain_ckpt, reads):
+    """A plain tensor whose parameter stores one contiguous block is read as that block only (get_slice); it
+    carries its full shape, and equals what cutting the full tensor gives."""
+    log, _ = reads
+    tp = TPRank(1, 2)
+    shards = {"layers.0.attn.wq_b.weight": lambda t: column_shard(t, tp, "wq_b"),
+              "layers.1.attn.wo_b.weight": lambda t: row_shard(t, tp, "wo_b"),
+              "embed.weight": lambda t: vocab_shard(t, tp)}
+    full = {n: t for n, t, _ in iter_checkpoint(plain_ckpt, "deepseek_v4")}
+    log.clear()
+    ranges = lambda n, shape: contiguous_block(shards[n], shape) if n in shards else None  # noqa: E731
+    got = {n: t for n, t, _ in iter_checkpoint(plain_ckpt, "deepseek_v4", ranges=ranges)}
+    for name, shard in shards.items():
+        assert torch.equal(got[name], shard(full[name])) and got[name].checkpoint_shape == tuple(full[name].shape)
+        read = [b for raw, b in log if loader.canonical_name(raw, "deepseek_v4") == name]
+        assert read == [full[name].nbytes // 2]
+    assert not any(hasattr(t, "checkpoint_shape") for n, t in got.items() if n not in shards)

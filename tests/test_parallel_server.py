@@ -16,7 +16,8 @@ from test_server import _get_status, _sse_events, running_server, tiny_checkpoin
 from deepinfer import LLM, SamplingParams
 
 # async scheduling: rank stats requests then interleave with steps in flight
-LAYOUT = ["--data-parallel-size", "2", "--enable-expert-parallel", "--async-scheduling", "--distributed-timeout-s", "30"]
+LAYOUT = ["--data-parallel-size", "2", "--enable-expert-parallel", "--async-scheduling",
+          "--distributed-timeout-s", "30"]
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,7 @@ from deepinfer.engine.scheduler import Scheduler
 from deepinfer.engine.spec_calibration import calibrate_speculation
 from deepinfer.models.loader import iter_checkpoint
 from deepinfer.models.registry import default_block_size, model_class
-from deepinfer.models.weights import wanted_names
+from deepinfer.models.weights import tensor_ranges, wanted_names
 from deepinfer.request import Request, RequestStatus
 from deepinfer.sampling_params import SamplingParams
 from deepinfer.spec import build_proposer
@@ -32,8 +32,10 @@ def load_model(path: str | Path, config: ModelConfig, dtype: torch.dtype, device
     one process) and loaded from the checkpoint."""
     extra = {} if parallel is None or parallel.is_single else {"parallel": parallel}
     model = model_class(config)(config, dtype=dtype, device=device, **extra)
-    # A sharded model's rank reads only the tensors it stores; a single-process model wants every tensor.
-    model.load_weights(iter_checkpoint(path, config.model_type, progress=progress, wanted=wanted_names(model)))
+    # A sharded model's rank reads only the tensors it stores, and of TP-split plain tensors only its block; a
+    # single-process model wants every tensor whole.
+    model.load_weights(iter_checkpoint(path, config.model_type, progress=progress, wanted=wanted_names(model),
+                                       ranges=tensor_ranges(model)))
     return model.eval()
 
 

@@ -492,9 +492,11 @@ class _WeightLoader:
 
     def _put_param(self, dst: torch.Tensor, full: torch.Tensor, name: str, source: str) -> None:
         """A full checkpoint tensor into a parameter: its full shape checked, then its TP slice (if any) copied."""
-        self._check_shape(full.shape, getattr(dst, "full_shape", dst.shape), name, source)
+        self._check_shape(getattr(full, "checkpoint_shape", full.shape), getattr(dst, "full_shape", dst.shape), name,
+                          source)
         shard = getattr(dst, "load_shard", None)
-        self._copy(dst, full if shard is None else shard(full), name, source)
+        cut = shard is None or hasattr(full, "checkpoint_shape")  # the loader read only the block
+        self._copy(dst, full if cut else shard(full), name, source)
 
     def _put_expert(self, m: re.Match, tensor: torch.Tensor, source: str) -> None:
         prefix, e, half = m[1], int(m[2]), HALF[m[3]]

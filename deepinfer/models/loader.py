@@ -367,6 +367,7 @@ def _to_read(entries: dict[str, _Entry], pairs: dict[str, str], model_type: str,
 
 def iter_checkpoint(path: str | os.PathLike, model_type: str, block_size: tuple[int, int] | None = None,
                     progress: bool = False, wanted: Callable[[str], bool] | None = None,
+                    ranges: Callable[[str, tuple[int, ...]], tuple[slice, ...] | None] | None = None,
                     ) -> Iterator[tuple[str, torch.Tensor, str]]:
     """Yield `(canonical_name, tensor, file_name)` for every tensor of the checkpoint at `path` whose
     canonical name `wanted` accepts (default: all).
@@ -377,14 +378,18 @@ def iter_checkpoint(path: str | os.PathLike, model_type: str, block_size: tuple[
     of the tensors read. `file_name` is the base name of the (weight's) shard. Discovery, header and pairing
     errors (over every tensor, wanted or not) are raised by this call, before any tensor data is read; read
     errors while iterating.
+
+    `ranges(canonical_name, full_shape)` may name the block of an unquantised tensor a sharded model stores
+    (weights.tensor_ranges): only that block is read, and the tensor yielded carries `checkpoint_shape`, the
+    full shape it was cut from (so it is not cut again). Quantised tensors are read whole.
     """
     if model_type not in MODEL_TYPES:
         raise ValueError(f"unsupported model_type {model_type!r}; expected one of {MODEL_TYPES}")
     block = tuple(block_size) if block_size is not None else DEFAULT_BLOCK_SIZE
-    return _stream(_plan(path, model_type, block, wanted), progress)
+    return _stream(_plan(path, model_type, block, wanted), progress, ranges)
 
 
-def _stream(plan: _Plan, progress: bool) -> Iterator[tuple[str, torch.Tensor, str]]:
+def _stream(plan: _Plan, progress: bool, ranges=None) -> Iterator[tuple[str, torch.Tensor, str]]:
     used = {e.file for e in plan.read.values()}
     files = [f for f in plan.files if f in used]  # a shard with nothing wanted is not opened
     bar = tqdm(total=sum(e.nbytes for e in plan.read.values()), unit="B", unit_scale=True,
@@ -392,7 +397,7 @@ def _stream(plan: _Plan, progress: bool) -> Iterator[tuple[str, torch.Tensor, st
     pending: dict[str, tuple[torch.Tensor, Path]] = {}  # pair halves whose partner has not arrived yet
     for file in files:
         bar.set_postfix_str(file.name)
-        for name, tensor in _read_shard(file, plan.read):
+        for name, tensor in _read_shard(file, plan, ranges):
             bar.update(plan.read[name].nbytes)
             item = _match(name, tensor, file, plan, pending) if name in plan.partner else (name, tensor, file)
             if item is not None:
@@ -403,17 +408,29 @@ def _stream(plan: _Plan, progress: bool) -> Iterator[tuple[str, torch.Tensor, st
         raise CheckpointError(f"{file}: {name} never met its partner {plan.partner[name]}")
 
 
-def _read_shard(file: Path, read: dict[str, _Entry]) -> Iterator[tuple[str, torch.Tensor]]:
-    """The tensors of `file` that are in `read`, in the file's order; the others' data is never touched."""
+def _read_shard(file: Path, plan: _Plan, ranges=None) -> Iterator[tuple[str, torch.Tensor]]:
+    """The tensors of `file` that are in `plan.read`, in the file's order; the others' data is never touched."""
     with _open(file) as f:
         for name in f.keys():
-            if name in read:
-                yield name, _get_tensor(f, file, name)
+            if name in plan.read:
+                yield name, _get_tensor(f, file, name, _block(f, name, plan, ranges))
 
 
-def _get_tensor(handle, file: Path, name: str) -> torch.Tensor:
+def _block(handle, name: str, plan: _Plan, ranges) -> tuple[slice, ...] | None:
+    """The block of a plain (unquantised) tensor the model stores, when it names one."""
+    if ranges is None or name in plan.partner:
+        return None
+    return ranges(canonical_name(name, plan.model_type), tuple(handle.get_slice(name).get_shape()))
+
+
+def _get_tensor(handle, file: Path, name: str, block: tuple[slice, ...] | None = None) -> torch.Tensor:
     try:
-        return handle.get_tensor(name)
+        if block is None:
+            return handle.get_tensor(name)
+        part = handle.get_slice(name)
+        tensor = part[block]
+        tensor.checkpoint_shape = tuple(part.get_shape())  # a block of this full tensor: never cut again
+        return tensor
     except (SafetensorError, OSError, RuntimeError, ValueError) as e:
         raise CheckpointError(f"{file}: tensor {name} cannot be read ({e})") from e
 

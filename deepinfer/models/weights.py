@@ -43,6 +43,37 @@ def _in_range(module: nn.Module, expert: int) -> bool:
     return expert < getattr(module, "num_experts", expert + 1)
 
 
+def tensor_ranges(model: nn.Module):
+    """For iter_checkpoint(ranges=...): the block to read of a checkpoint tensor whose parameter stores one
+    contiguous block of it along one dimension (a TP split: load_shard), or None (read it whole)."""
+    params = dict(model.named_parameters())
+
+    def ranges(name: str, full_shape: tuple[int, ...]) -> tuple[slice, ...] | None:
+        shard = getattr(params.get(name), "load_shard", None)
+        return None if shard is None else contiguous_block(shard, full_shape)
+    return ranges
+
+
+def contiguous_block(shard, full_shape: tuple[int, ...]) -> tuple[slice, ...] | None:
+    """The slices `shard` cuts from a tensor of `full_shape`, when that is one contiguous block along one dim.
+
+    Probed with an index vector along each dim in turn (other dims of size 1, so nothing full-size is made): a
+    shard that cuts along another dim fails on it or keeps it whole."""
+    for dim, size in enumerate(full_shape):
+        probe = torch.arange(size).view([size if d == dim else 1 for d in range(len(full_shape))])
+        try:
+            picked = shard(probe).reshape(-1)
+        except (ValueError, RuntimeError, IndexError):
+            continue
+        if picked.numel() == size:
+            continue
+        start = int(picked[0]) if picked.numel() else 0
+        if not torch.equal(picked, torch.arange(start, start + picked.numel())):
+            return None
+        return tuple(slice(start, start + picked.numel()) if d == dim else slice(None) for d in range(len(full_shape)))
+    return None
+
+
 def _checkpoint_error(message: str) -> Exception:
     from deepinfer.models.loader import CheckpointError
 
@@ -63,7 +94,8 @@ def _target(model: nn.Module, params: dict[str, torch.Tensor], name: str,
     if name in params:
         param = params[name]
         shard = getattr(param, "load_shard", None)
-        return name, param, (), tensor if shard is None else shard(tensor)
+        cut = shard is None or hasattr(tensor, "checkpoint_shape")  # the loader read only the block
+        return name, param, (), tensor if cut else shard(tensor)
     raise KeyError(name)
 
 
