@@ -130,7 +130,8 @@ def test_mirrors_follow_the_scheduler_through_chunks_outputs_and_finishes():
 
 
 # --- parity ----------------------------------------------------------------------------------------
-@pytest.fixture(scope="module", params=list(LAYOUTS))
+@pytest.fixture(scope="module", params=[pytest.param(name, marks=pytest.mark.slow if "async" in name else ())
+                                        for name in LAYOUTS])  # async runs by default in the matrix and server
 def parallel_llm(request, v4_ckpt):
     llm = LLM(v4_ckpt, **OPTIONS, **LAYOUTS[request.param])
     yield llm
