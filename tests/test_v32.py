@@ -8,13 +8,16 @@ position first; tiny_models.stable_indexer_topk).
 
 from __future__ import annotations
 
+import mla_parallel_workers as workers
 import pytest
 import torch
+from mla_parallel_workers import Case, Script
 from paged_mla import PagedRun
+from test_mla_parallel import assert_matches, reference, run_world
 from tiny_models import V32_TINY, make_reference, reference_greedy, reference_logits, save_reference
 
 from deepinfer import LLM, SamplingParams
-from deepinfer.config import ConfigError, ModelConfig
+from deepinfer.config import ConfigError, ModelConfig, ParallelConfig
 from deepinfer.models.deepseek_v3 import DeepseekV3ForCausalLM
 from deepinfer.models.loader import iter_checkpoint
 
@@ -147,3 +150,16 @@ def test_engine_logits_within_1e4_in_mixed_batches(case):
             worst = max(worst, (logits[row] - full[s.request.request_id][pos]).abs().max().item())
             rows += 1
     assert rows == 12 * len(prompts) and worst < 1e-4
+
+
+# ---------------------------------------------------------------- tensor parallel
+
+
+def test_tp2_matches_one_process(case):
+    """Heads split over 2 ranks, the indexer replicated: the same selection on both, logits within 1e-4."""
+    _, path, _, _ = case
+    script = Script(workers.prompts(3, (15, 5, 22)), decode_steps=4)
+    ref = reference(path, script)
+    out = run_world(ParallelConfig(1, 2), [Case(str(path), "allgather", (script,))])
+    for rank in range(2):
+        assert_matches(out[rank][0], ref)
