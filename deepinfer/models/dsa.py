@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from deepinfer.config import ModelConfig
+from deepinfer.layers.batch_invariant import batch_invariant_enabled
 from deepinfer.layers.kv_quant import PagedPool
 from deepinfer.layers.rotary import rotate_halves
 
@@ -88,6 +89,12 @@ class Indexer(nn.Module):
         """[R, L] for one query per request over its cached keys at `slots` [R, L] (valid [R, L])."""
         if valid.shape[-1] <= self.topk:
             return valid
+        if batch_invariant_enabled():  # each query alone over exactly its own context, padded back
+            out = torch.zeros_like(valid)
+            for r in range(q.shape[0]):
+                n = int(valid[r].sum())
+                out[r, :n] = self.select(q[r:r + 1], w[r:r + 1], cache.read(slots[r:r + 1, :n]), valid[r:r + 1, :n])
+            return out
         keys = cache.read(slots).masked_fill(~valid[..., None], 0)  # padded slots may hold NaN
         return self.select(q, w, keys, valid)
 
