@@ -131,6 +131,15 @@ def test_engine_prefix_caching_hits_and_keeps_tokens(case):
     assert llm.engine.kv.prefix_hits - before >= 8 * (len(prompts[2]) // 8 - 1) > 0
 
 
+def test_engine_preemption_and_recompute_match(case):
+    _, path, prompts, oracle = case
+    layout = _llm(path, max_num_seqs=3).engine.layout
+    blocks = -(-(max(PROMPT_LENGTHS) + NEW_TOKENS) // layout.block_size) + 2  # the longest request and a little
+    llm = _llm(path, max_num_seqs=3, kv_cache_memory_bytes=3 * layout.bytes_per_slot + blocks * layout.bytes_per_block)
+    assert _tokens(llm.generate(prompts, GREEDY, use_tqdm=False)) == oracle
+    assert llm.engine.scheduler.num_preemptions > 0
+
+
 def test_engine_logits_within_1e4_in_mixed_batches(case):
     """Every sampled row's logits vs transformers' full forward at that position (chunks of 11)."""
     ref, path, prompts, oracle = case
