@@ -10,13 +10,14 @@ from pathlib import Path
 import torch
 
 SLIDING, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
-SUPPORTED_MODEL_TYPES = ("deepseek_v4", "deepseek_v3", "deepseek_v2")
+SUPPORTED_MODEL_TYPES = ("deepseek_v4", "deepseek_v32", "deepseek_v3", "deepseek_v2")
 # Keys that only DeepSeek-V4.1 / Flash-0731 configs carry; their semantics have no reference here.
 _V41_ONLY_KEYS = ("dspark", "engram", "csa2", "delayed_hc", "num_dspark_layers", "engram_vocab_size",
                   "shared_compressed_kv", "hc_delay")
 
 
-_DEFAULT_SCORING = {"deepseek_v4": "sqrtsoftplus", "deepseek_v3": "sigmoid", "deepseek_v2": "softmax"}
+_DEFAULT_SCORING = {"deepseek_v4": "sqrtsoftplus", "deepseek_v32": "sigmoid", "deepseek_v3": "sigmoid",
+                    "deepseek_v2": "softmax"}
 
 
 class ConfigError(ValueError):
@@ -75,7 +76,7 @@ class ModelConfig:
     mtp_layer_kinds: tuple[str, ...] = ()  # per MTP layer (see _v4_layer_kinds)
     mtp_compress_ratios: tuple[int, ...] = ()
     hash_layers: tuple[bool, ...] = ()
-    index_n_heads: int = 0
+    index_n_heads: int = 0  # V4 and V3.2: the lightning indexer (0: none)
     index_head_dim: int = 0
     index_topk: int = 0
     hc_mult: int = 0
@@ -104,6 +105,11 @@ class ModelConfig:
     def is_v4(self) -> bool:
         return self.model_type == "deepseek_v4"
 
+    @property
+    def has_dsa_indexer(self) -> bool:
+        """MLA with DeepSeek-V3.2's lightning indexer: every layer attends to its top-k scored positions."""
+        return not self.is_v4 and self.index_topk > 0
+
     @classmethod
     def from_hf(cls, path: str | Path) -> ModelConfig:
         """Read `config.json` from a checkpoint directory (or the file itself)."""
@@ -120,8 +126,9 @@ class ModelConfig:
     @classmethod
     def from_dict(cls, raw: dict) -> ModelConfig:
         mt = raw.get("model_type")
-        if mt == "deepseek_v32" or "index_topk" in raw and mt == "deepseek_v3":
-            raise ConfigError("model_type 'deepseek_v32' (DeepSeek-V3.2 DSA sparse attention) is not supported yet")
+        if "index_topk" in raw and mt == "deepseek_v3":
+            raise ConfigError("a deepseek_v3 config with index_topk is ambiguous: DeepSeek-V3.2 (DSA) checkpoints "
+                              "are served as model_type 'deepseek_v32'")
         if mt not in SUPPORTED_MODEL_TYPES:
             raise ConfigError(f"unsupported model_type {mt!r}; deepinfer serves {', '.join(SUPPORTED_MODEL_TYPES)}")
         return _v4_from_dict(raw) if mt == "deepseek_v4" else _mla_from_dict(raw)
@@ -279,7 +286,8 @@ def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
     return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
 
 
-_MLA_TOPK_METHODS = {"deepseek_v2": ("greedy", "group_limited_greedy"), "deepseek_v3": ("noaux_tc",)}
+_MLA_TOPK_METHODS = {"deepseek_v2": ("greedy", "group_limited_greedy"), "deepseek_v3": ("noaux_tc",),
+                     "deepseek_v32": ("noaux_tc",)}
 
 
 def _mla_rope(raw: dict) -> RopeConfig:
@@ -305,7 +313,7 @@ def _mla_rope(raw: dict) -> RopeConfig:
 def _mla_topk_method(raw: dict) -> str:
     """transformers' V3 router is always noaux_tc (topk_method ignored); V2 knows greedy / group-limited."""
     mt = raw["model_type"]
-    if mt == "deepseek_v3":
+    if mt in ("deepseek_v3", "deepseek_v32"):
         return "noaux_tc"
     method = str(raw.get("topk_method") or "greedy")
     if method not in _MLA_TOPK_METHODS[mt]:
@@ -321,6 +329,27 @@ def _mla_check(raw: dict) -> None:
         raise ConfigError(f"hidden_act {raw['hidden_act']!r} is not supported (silu is)")
 
 
+def _dsa_indexer(raw: dict) -> dict:
+    """DeepSeek-V3.2's lightning indexer (DSA): sizes of its heads and of the per-query top-k; {} for V2 / V3."""
+    if raw["model_type"] != "deepseek_v32":
+        return {}
+    n = int(raw["num_hidden_layers"])
+    dense = min(int(raw.get("first_k_dense_replace") or 0), n)
+    freq = int(raw.get("moe_layer_freq") or 1)
+    kinds = raw.get("mlp_layer_types")
+    ours = ["sparse" if i >= dense and i % freq == 0 else "dense" for i in range(n)]
+    if kinds is not None and list(kinds) != ours:
+        raise ConfigError(f"mlp_layer_types {kinds} do not follow first_k_dense_replace={dense} "
+                          f"(only that layout is supported)")
+    if not raw.get("q_lora_rank"):
+        raise ConfigError("deepseek_v32 needs q_lora_rank (the indexer queries read the compressed q)")
+    out = dict(index_n_heads=int(raw.get("index_n_heads", 64)), index_head_dim=int(raw.get("index_head_dim", 128)),
+               index_topk=int(raw.get("index_topk", 2048)))
+    if out["index_head_dim"] < int(raw["qk_rope_head_dim"]) or min(out.values()) <= 0:
+        raise ConfigError(f"indexer sizes {out} are invalid (index_head_dim must cover qk_rope_head_dim)")
+    return out
+
+
 def _mla_from_dict(raw: dict) -> ModelConfig:
     _mla_check(raw)
     rope = _mla_rope(raw)
@@ -330,6 +359,7 @@ def _mla_from_dict(raw: dict) -> ModelConfig:
     is_v2 = raw["model_type"] == "deepseek_v2"
     return ModelConfig(
         **{**_common(raw), "norm_topk_prob": bool(raw.get("norm_topk_prob", not is_v2))},
+        **_dsa_indexer(raw),
         q_lora_rank=int(raw.get("q_lora_rank") or 0),
         kv_lora_rank=int(raw["kv_lora_rank"]),
         qk_nope_head_dim=int(raw["qk_nope_head_dim"]),
@@ -341,8 +371,8 @@ def _mla_from_dict(raw: dict) -> ModelConfig:
         n_group=int(raw.get("n_group") or 1),
         topk_group=int(raw.get("topk_group") or 1),
         topk_method=_mla_topk_method(raw),
-        # V2 rotates interleaved pairs (complex multiply) and has no rope_interleave switch
-        rope_interleave=True if is_v2 else bool(raw.get("rope_interleave", True)),
+        # V2 rotates interleaved pairs (complex multiply) and has no rope_interleave switch; neither has V3.2
+        rope_interleave=is_v2 or raw["model_type"] == "deepseek_v32" or bool(raw.get("rope_interleave", True)),
         rope=rope,
         softmax_scale=scale,
         extra={"tie_word_embeddings": bool(raw.get("tie_word_embeddings", False))},

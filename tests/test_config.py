@@ -48,7 +48,7 @@ def test_official_and_transformers_keys_agree():
 
 @pytest.mark.parametrize("raw, message", [
     ({"model_type": "llama"}, "llama"),
-    ({"model_type": "deepseek_v32"}, "deepseek_v32"),
+    ({"model_type": "deepseek_v3", "index_topk": 8}, "deepseek_v32"),
     ({**OFFICIAL_V4, "compress_ratios": [0, 4, 16, 128, 0]}, "HCA"),
     ({**OFFICIAL_V4, "dspark": {"block_size": 5}}, "V4.1"),
     ({**OFFICIAL_V4, "engram": True}, "engram"),

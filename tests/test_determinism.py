@@ -1,6 +1,6 @@
 """Deterministic mode: one request's full logits (bitwise) and seeded temperature-1 tokens are the same
 alone, among 31 other random requests, at another batch position, with another prefill chunk size and
-after a preemption. Bundled default model, a tiny V4 and a tiny V3. The default mode runs the same
+after a preemption. Bundled default model, a tiny V4, a tiny V3 and a tiny V3.2. The default mode runs the same
 scenarios; whether it differs is recorded by benchmarks/determinism.py, nothing is asserted about it."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from deepinfer.layers.batch_invariant import position_seed, token_meta
 from deepinfer.llm import default_model_path
 
 TARGET = SamplingParams(temperature=1.0, seed=1234, max_tokens=8, ignore_eos=True)
-BLOCK = {"default": 16, "v4": 16, "v3": 8}
+BLOCK = {"default": 16, "v4": 16, "v3": 8, "v32": 8}
 
 
 @pytest.fixture(scope="module", params=list(BLOCK))

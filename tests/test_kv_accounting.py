@@ -17,7 +17,7 @@ V4_FLASH = {**OFFICIAL_V4, "hidden_size": 4096, "num_hidden_layers": 43, "num_at
             "num_hash_layers": 3, "vocab_size": 129280}
 
 
-@pytest.mark.parametrize("kind", ["v4", "v4b", "v3"])
+@pytest.mark.parametrize("kind", ["v4", "v4b", "v3", "v32"])
 @pytest.mark.parametrize("kv_dtype", ["auto", "int8"])
 def test_analytic_footprint_equals_allocated(tmp_path, kind, kv_dtype):
     path = save_reference(make_reference(kind), tmp_path / kind)

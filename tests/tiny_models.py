@@ -1,6 +1,6 @@
 """Tiny random DeepSeek checkpoints saved with transformers, and transformers as the oracle.
 
-Oracle caveat (see shared reference notes): the Lightning Indexer's scores tie exactly (ReLU),
+Oracle caveat (see shared reference notes): the Lightning Indexer's scores (V4 and V3.2) tie exactly (ReLU),
 and torch.topk breaks ties differently between prefill and decode, so stock transformers is not
 self-consistent. The oracle patches the indexer's top-k to a stable sort (lower index first),
 which is the tie-break deepinfer implements.
@@ -61,6 +61,10 @@ V3_TINY = dict(
     max_position_embeddings=10240, num_nextn_predict_layers=1, bos_token_id=0, eos_token_id=1, pad_token_id=2,
 )
 
+# V3.2: V3's MLA + the DSA lightning indexer; top-6 of the context, far below the test prompt lengths.
+V32_TINY = {**{k: v for k, v in V3_TINY.items() if k not in ("rope_interleave", "num_nextn_predict_layers")},
+            "index_n_heads": 4, "index_head_dim": 32, "index_topk": 6}
+
 V2_TINY = dict(
     vocab_size=512, hidden_size=128, intermediate_size=256, moe_intermediate_size=64, num_hidden_layers=3,
     first_k_dense_replace=1, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=64, kv_lora_rank=32,
@@ -85,6 +89,9 @@ def _randomise_buffers(model, cfg, seed: int) -> None:
                 mod.sinks.copy_(torch.randn(mod.sinks.shape, generator=g))
             if hasattr(mod, "position_bias"):
                 mod.position_bias.copy_(0.5 * torch.randn(mod.position_bias.shape, generator=g))
+            if type(mod).__name__ == "DeepseekV32Indexer":  # LayerNorm's default 1 / 0 would hide a missing norm
+                mod.k_norm.weight.copy_(1 + 0.3 * torch.randn(mod.k_norm.weight.shape, generator=g))
+                mod.k_norm.bias.copy_(0.3 * torch.randn(mod.k_norm.bias.shape, generator=g))
             if isinstance(getattr(mod, "base", None), torch.nn.Parameter):
                 mod.base.copy_(0.5 * torch.randn(mod.base.shape, generator=g))
 
@@ -96,6 +103,7 @@ def make_reference(kind: str, seed: int = 0, **overrides):
     table = {"v4": (tf.DeepseekV4Config, tf.DeepseekV4ForCausalLM, V4_TINY),
              "v4b": (tf.DeepseekV4Config, tf.DeepseekV4ForCausalLM, V4_TINY_B),
              "v3": (tf.DeepseekV3Config, tf.DeepseekV3ForCausalLM, V3_TINY),
+             "v32": (tf.DeepseekV32Config, tf.DeepseekV32ForCausalLM, V32_TINY),
              "v2": (tf.DeepseekV2Config, tf.DeepseekV2ForCausalLM, V2_TINY)}
     config_cls, model_cls, base = table[kind]
     torch.manual_seed(seed)
@@ -115,27 +123,33 @@ def save_reference(model, path: Path) -> Path:
 
 @contextlib.contextmanager
 def stable_indexer_topk():
-    """Within transformers' V4 indexer, top-k keeps the lower index among equal scores."""
-    from transformers.models.deepseek_v4 import modeling_deepseek_v4 as mod
+    """Within transformers' V4 and V3.2 indexers, top-k keeps the lower index among equal scores."""
+    from transformers.models.deepseek_v4 import modeling_deepseek_v4 as v4
+    from transformers.models.deepseek_v32 import modeling_deepseek_v32 as v32
 
-    original_forward, original_topk = mod.DeepseekV4Indexer.forward, torch.Tensor.topk
+    indexers = (v4.DeepseekV4Indexer, v32.DeepseekV32Indexer)
+    originals, original_topk = [cls.forward for cls in indexers], torch.Tensor.topk
 
     def stable_topk(self, k, dim=-1, largest=True, sorted=True):
         values, indices = torch.sort(self, dim=dim, descending=largest, stable=True)
         return torch.return_types.topk((values.narrow(dim, 0, k), indices.narrow(dim, 0, k)))
 
-    def forward(self, *args, **kwargs):
-        torch.Tensor.topk = stable_topk
-        try:
-            return original_forward(self, *args, **kwargs)
-        finally:
-            torch.Tensor.topk = original_topk
+    def patched(original_forward):
+        def forward(self, *args, **kwargs):
+            torch.Tensor.topk = stable_topk
+            try:
+                return original_forward(self, *args, **kwargs)
+            finally:
+                torch.Tensor.topk = original_topk
+        return forward
 
-    mod.DeepseekV4Indexer.forward = forward
+    for cls, original in zip(indexers, originals):
+        cls.forward = patched(original)
     try:
         yield
     finally:
-        mod.DeepseekV4Indexer.forward = original_forward
+        for cls, original in zip(indexers, originals):
+            cls.forward = original
 
 
 def reference_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:

@@ -32,6 +32,8 @@ def footprint(cfg: ModelConfig, dtype: torch.dtype, kv_cache_dtype: str = "auto"
     element, quantised = torch.empty((), dtype=paged).element_size(), is_quantised(paged)
     if not cfg.is_v4:
         per_token = cfg.num_layers * _entry_bytes(cfg.kv_lora_rank + cfg.qk_rope_head_dim, element, quantised)
+        if cfg.has_dsa_indexer:  # V3.2 indexer keys: model dtype, never quantised
+            per_token += cfg.num_layers * cfg.index_head_dim * torch.empty((), dtype=dtype).element_size()
         return KVFootprint(per_token, 0)
     return KVFootprint(_v4_paged_per_token(cfg, element, quantised), _v4_state_per_sequence(cfg, dtype))
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 
 import torch
@@ -47,7 +47,8 @@ from deepinfer.layers.batch_invariant import batch_invariant_enabled
 from deepinfer.layers.kv_quant import PagedPool, is_quantised, storage_dtype
 from deepinfer.layers.metadata import CacheTensorSpec, ForwardMeta
 from deepinfer.layers.norm import RMSNorm
-from deepinfer.layers.rotary import RotaryTable, rotate_interleaved
+from deepinfer.layers.rotary import RotaryTable, rotate_halves, rotate_interleaved
+from deepinfer.models.dsa import Indexer
 from deepinfer.models.loader import CheckpointError
 from deepinfer.models.mla_mtp import MTP_SHARED_TENSORS, MLAMTPLayer
 from deepinfer.models.mla_routing import select_experts
@@ -71,14 +72,6 @@ def _reduced(y: torch.Tensor, mp: ModelParallel) -> torch.Tensor:
     return all_reduce(y, mp.tp_group) if mp.tp.size > 1 else y
 
 
-def rotate_halves(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate pairs (i, i + dim/2) of x [N, (H,) dim] (rope_interleave false); cos/sin [N, dim // 2]."""
-    while cos.dim() < x.dim():
-        cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
-    x1, x2 = x.float().chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
-
-
 # ---------------------------------------------------------------- per-step plan (shared by all layers)
 
 
@@ -89,6 +82,7 @@ class DecodeBatch:
     rows: torch.Tensor  # [R] token row of each request
     slots: torch.Tensor  # [R, L] cache slot of positions 0..L-1 (slot of position 0 where invalid)
     valid: torch.Tensor  # [R, L] position < seq_len of the request
+    attend: torch.Tensor | None = None  # [R, L] the positions attended (DSA: a layer's selection); None: valid
 
 
 @dataclass
@@ -253,6 +247,8 @@ class MLAttention(nn.Module):
         self.kv_a_layernorm = RMSNorm(self.latent, _LATENT_NORM_EPS)
         self.kv_b_proj = _linear(self.latent, self.heads * (self.nope + self.v_dim), dtype, device)
         self.o_proj = _linear(self.heads * self.v_dim, d, dtype, device)
+        # V3.2: the lightning indexer, replicated on every TP rank (see models/dsa.py)
+        self.indexer = Indexer(cfg, dtype, device) if cfg.has_dsa_indexer else None
         if mp.tp.size > 1:
             self._shard_heads(cfg.num_heads)
 
@@ -265,13 +261,14 @@ class MLAttention(nn.Module):
             full[dim] *= self.mp.tp.size
             _sharded(weight, full, partial(head_shard, num_heads=num_heads, tp=self.mp.tp, name=name, dim=dim))
 
-    def _queries(self, x: torch.Tensor) -> torch.Tensor:
-        """[T, H, nope + rope]"""
+    def _queries(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """[T, H, nope + rope] and the compressed query [T, q_lora_rank] (None without q compression)."""
         if self.q_lora_rank:
-            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+            q_resid = self.q_a_layernorm(self.q_a_proj(x))
+            q = self.q_b_proj(q_resid)
         else:
-            q = self.q_proj(x)
-        return q.view(x.shape[0], self.heads, self.nope + self.rope)
+            q, q_resid = self.q_proj(x), None
+        return q.view(x.shape[0], self.heads, self.nope + self.rope), q_resid
 
     def _cache_entries(self, x: torch.Tensor, step: MLAStep) -> torch.Tensor:
         """[T, latent + rope]: normalised latent and rotated rope key of each new token."""
@@ -286,15 +283,15 @@ class MLAttention(nn.Module):
     def _absorbed(self, q_nope, q_pe, cache: PagedPool, batch: DecodeBatch) -> torch.Tensor:
         """[R, H, v] for one query per request: scores q_nope W_UK . c + q_pe . k_pe, output (p c) W_UV^T."""
         if batch_invariant_enabled():  # each query alone, over exactly its own context
-            return torch.cat([self._absorbed_batch(q_nope[r:r + 1], q_pe[r:r + 1], cache,
-                                                   DecodeBatch(batch.rows[r:r + 1], *self._own(batch, r)))
+            return torch.cat([self._absorbed_batch(q_nope[r:r + 1], q_pe[r:r + 1], cache, self._own(batch, r))
                               for r in range(q_nope.shape[0])])
         return self._absorbed_batch(q_nope, q_pe, cache, batch)
 
     @staticmethod
-    def _own(batch: DecodeBatch, r: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _own(batch: DecodeBatch, r: int) -> DecodeBatch:
         n = int(batch.valid[r].sum())
-        return batch.slots[r:r + 1, :n], batch.valid[r:r + 1, :n]
+        attend = None if batch.attend is None else batch.attend[r:r + 1, :n]
+        return DecodeBatch(batch.rows[r:r + 1], batch.slots[r:r + 1, :n], batch.valid[r:r + 1, :n], attend)
 
     def _absorbed_batch(self, q_nope, q_pe, cache: PagedPool, batch: DecodeBatch) -> torch.Tensor:
         w_uk, w_uv = self._w_kv_b()
@@ -302,34 +299,61 @@ class MLAttention(nn.Module):
         # padded slots may hold anything (even NaN): zero them so masked probabilities stay exact zeros
         ctx = cache.read(batch.slots).masked_fill(~batch.valid[..., None], 0)
         scores = torch.matmul(q, ctx.transpose(1, 2)) * self.scale
-        scores = scores.masked_fill(~batch.valid[:, None], float("-inf"))
+        attend = batch.valid if batch.attend is None else batch.attend
+        scores = scores.masked_fill(~attend[:, None], float("-inf"))
         probs = scores.softmax(dim=-1, dtype=torch.float32).to(ctx.dtype)
         o_c = torch.matmul(probs, ctx[..., : self.latent])
         return torch.einsum("rhc,hvc->rhv", o_c, w_uv)
 
-    def _expanded(self, q_nope, q_pe, cache: PagedPool, seq: PrefillSeq) -> torch.Tensor:
-        """[n, H, v] for a chunk of queries: context latents expanded to per-head keys and values."""
+    def _expanded(self, q_nope, q_pe, cache: PagedPool, seq: PrefillSeq,
+                  attend: torch.Tensor | None = None) -> torch.Tensor:
+        """[n, H, v] for a chunk of queries: context latents expanded to per-head keys and values; attend [n, L]
+        (the DSA selection) replaces the causal mask."""
         c, k_pe = cache.read(seq.ctx_slots).split([self.latent, self.rope], dim=-1)
         kv = self.kv_b_proj(c).view(c.shape[0], self.heads, self.nope + self.v_dim)
         k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
         k = torch.cat([k_nope, k_pe[:, None].expand(-1, self.heads, -1)], dim=-1)
         q = torch.cat([q_nope, q_pe], dim=-1)
+        mask = seq.mask if attend is None else attend
         out = F.scaled_dot_product_attention(
             q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
-            attn_mask=seq.mask, is_causal=seq.mask is None, scale=self.scale)
+            attn_mask=mask, is_causal=mask is None, scale=self.scale)
         return out.transpose(0, 1)
 
-    def forward(self, x: torch.Tensor, step: MLAStep, cache: PagedPool) -> torch.Tensor:
-        q_nope, q_pe = self._queries(x).split([self.nope, self.rope], dim=-1)
+    def forward(self, x: torch.Tensor, step: MLAStep, cache: PagedPool,
+                index_cache: PagedPool | None = None) -> torch.Tensor:
+        """index_cache: this layer's indexer keys (required with the DSA indexer)."""
+        q, q_resid = self._queries(x)
+        q_nope, q_pe = q.split([self.nope, self.rope], dim=-1)
         q_pe = step.rotate(q_pe)
         cache.write(step.new_slots, self._cache_entries(x, step))
+        decode, attends = step.decode, [None] * len(step.prefills)
+        if self.indexer is not None:
+            decode, attends = self._select(x, q_resid, step, index_cache)
         out = x.new_empty(x.shape[0], self.heads, self.v_dim)
-        if step.decode is not None:
-            rows = step.decode.rows
-            out[rows] = self._absorbed(q_nope[rows], q_pe[rows], cache, step.decode)
-        for seq in step.prefills:
-            out[seq.rows] = self._expanded(q_nope[seq.rows], q_pe[seq.rows], cache, seq)
+        if decode is not None:
+            rows = decode.rows
+            out[rows] = self._absorbed(q_nope[rows], q_pe[rows], cache, decode)
+        for seq, attend in zip(step.prefills, attends):
+            out[seq.rows] = self._expanded(q_nope[seq.rows], q_pe[seq.rows], cache, seq, attend)
         return _reduced(self.o_proj(out.flatten(1)), self.mp)
+
+    def _select(self, x: torch.Tensor, q_resid: torch.Tensor, step: MLAStep,
+                index_cache: PagedPool | None) -> tuple[DecodeBatch | None, list[torch.Tensor]]:
+        """DSA: write the new indexer keys, then each query's selected positions (the decode batch carries
+        them as `attend`; one [n, L] mask per prefill chunk)."""
+        if index_cache is None:
+            raise RuntimeError("a DSA layer needs its indexer key cache (bind_kv_cache)")
+        idx = self.indexer
+        index_cache.write(step.new_slots, idx.keys(x, step.cos, step.sin))
+        q, w = idx.queries(x, q_resid, step.cos, step.sin)
+        decode = step.decode
+        if decode is not None:
+            rows = decode.rows
+            decode = replace(decode, attend=idx.select_decode(q[rows], w[rows], index_cache, decode.slots,
+                                                               decode.valid))
+        attends = [idx.select_prefill(q[seq.rows], w[seq.rows], index_cache, seq.ctx_slots) for seq in step.prefills]
+        return decode, attends
 
 
 def is_moe_layer(cfg: ModelConfig, idx: int) -> bool:
@@ -348,8 +372,9 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, h: torch.Tensor, step: MLAStep, cache: PagedPool) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), step, cache)
+    def forward(self, h: torch.Tensor, step: MLAStep, cache: PagedPool,
+                index_cache: PagedPool | None = None) -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), step, cache, index_cache)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -575,7 +600,7 @@ class DeepseekV3ForCausalLM(nn.Module):
                  parallel: ModelParallel | None = None):
         """parallel: this rank's TP / EP place (None: one process, ModelParallel.single())."""
         super().__init__()
-        if config.model_type not in ("deepseek_v3", "deepseek_v2") or not config.kv_lora_rank:
+        if config.model_type not in ("deepseek_v32", "deepseek_v3", "deepseek_v2") or not config.kv_lora_rank:
             raise ConfigError(f"DeepseekV3ForCausalLM serves MLA models, not {config.model_type!r}")
         self.config, self.dtype = config, dtype
         self.parallel = ModelParallel.single() if parallel is None else parallel
@@ -588,6 +613,7 @@ class DeepseekV3ForCausalLM(nn.Module):
         self.mtp_weights: dict[str, torch.Tensor] = {}  # model.layers.{num_layers + k}.*, for MTP drafting
         self.mtp = nn.ModuleList()  # built from mtp_weights by build_mtp() when MTP drafting is used
         self._kv: list[PagedPool] = []
+        self._index_kv: list[PagedPool | None] = [None] * config.num_layers  # V3.2: indexer keys per layer
         self._mtp_kv: list[PagedPool] = []
         self.kv_cache_dtype = "auto"  # storage of the latent pools: auto (model dtype) | fp8 | int8
         self.batch_invariant_kernels = True  # attention honours layers.batch_invariant
@@ -613,6 +639,8 @@ class DeepseekV3ForCausalLM(nn.Module):
         load_weights therefore builds them itself under EP (on every rank, right after loading)."""
         if len(self.mtp) or not self.mtp_weights:
             return
+        if self.config.has_dsa_indexer:
+            raise ConfigError("MTP drafting is not supported for deepseek_v32 (DSA) yet")
         device, layers = self.lm_head.weight.device, []
         for k in range(self.config.num_mtp_layers):
             prefix = f"model.layers.{self.config.num_layers + k}."
@@ -634,15 +662,26 @@ class DeepseekV3ForCausalLM(nn.Module):
         specs = [CacheTensorSpec(n, "paged", (block_size, self.cache_width), dtype) for n in names]
         if is_quantised(dtype):
             specs += [CacheTensorSpec(f"{n}_scale", "paged", (block_size, 1), torch.float32) for n in names]
+        specs += [CacheTensorSpec(n, "paged", (block_size, self.config.index_head_dim), self.dtype)
+                  for n in self._index_names()]
         return specs
+
+    def _index_names(self) -> list[str]:
+        """V3.2: one paged tensor of indexer keys per layer (model dtype, never quantised)."""
+        if not self.config.has_dsa_indexer:
+            return []
+        return [f"layers.{i}.index_k" for i in range(self.config.num_layers)]
 
     def bind_kv_cache(self, tensors: dict[str, torch.Tensor]) -> None:
         """Paged tensors [num_blocks, block_size, width] viewed flat: slot = block * block_size + offset."""
         names = [f"layers.{i}.mla" for i in range(self.config.num_layers)]
-        missing = [n for n in names if n not in tensors]
+        missing = [n for n in names + self._index_names() if n not in tensors]
         if missing:
             raise ValueError(f"bind_kv_cache: no tensor for {missing[:3]}")
         self._kv = [PagedPool.of(tensors, n, self.cache_width, self.dtype) for n in names]
+        if self.config.has_dsa_indexer:
+            self._index_kv = [PagedPool.of(tensors, n, self.config.index_head_dim, self.dtype)
+                              for n in self._index_names()]
         mtp = [n for n in self._layer_names(True)[len(names):] if n in tensors]
         self._mtp_kv = [PagedPool.of(tensors, n, self.cache_width, self.dtype) for n in mtp]
 
@@ -655,8 +694,8 @@ class DeepseekV3ForCausalLM(nn.Module):
             raise RuntimeError("bind_kv_cache() must be called before forward()")
         step = self._step(meta)
         h = self.model.embed_tokens(meta.input_ids)
-        for layer, cache in zip(self.model.layers, self._kv):
-            h = layer(h, step, cache)
+        for layer, cache, index_cache in zip(self.model.layers, self._kv, self._index_kv):
+            h = layer(h, step, cache, index_cache)
         hidden = self.model.norm(h)
         return (hidden, hidden) if return_mtp_input else hidden
 
@@ -680,5 +719,5 @@ class DeepseekV3ForCausalLM(nn.Module):
             loader.put(name, tensor, source)
         self.mtp_weights.update(loader.mtp)
         loader.finish()
-        if self.parallel.expert_parallel:
+        if self.parallel.expert_parallel and not self.config.has_dsa_indexer:
             self.build_mtp()  # every EP rank registers the MTP MoE tags here, in the same order (see build_mtp)

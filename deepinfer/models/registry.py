@@ -10,6 +10,7 @@ from deepinfer.config import ConfigError, ModelConfig
 
 _MODELS = {
     "deepseek_v4": ("deepinfer.models.deepseek_v4", "DeepseekV4ForCausalLM"),
+    "deepseek_v32": ("deepinfer.models.deepseek_v3", "DeepseekV3ForCausalLM"),
     "deepseek_v3": ("deepinfer.models.deepseek_v3", "DeepseekV3ForCausalLM"),
     "deepseek_v2": ("deepinfer.models.deepseek_v3", "DeepseekV3ForCausalLM"),
 }
