@@ -242,9 +242,10 @@ MATRIX_LAYOUTS = {
 # Routed expert counts that do not divide the EP sizes 2 and 4 (V3/V2: 3 groups of 3 for group-limited routing).
 ODD_EXPERTS = {"v4": dict(n_routed_experts=7), "v4b": dict(n_routed_experts=7),
                "v3": dict(n_routed_experts=9, n_group=3, topk_group=2),
-               "v2": dict(n_routed_experts=9, n_group=3, topk_group=2)}
+               "v2": dict(n_routed_experts=9, n_group=3, topk_group=2),
+               "v32": dict(n_routed_experts=9, n_group=3, topk_group=2)}
 FAST = {("v4", "tp2"), ("v4", "dp2+ep"), ("v4b", "dp2+ep alltoall"), ("v3", "dp2+ep alltoall"), ("v2", "tp2"),
-        ("v3", "dp2xtp2+ep"), ("v4", "tp2 async")}
+        ("v3", "dp2xtp2+ep"), ("v4", "tp2 async"), ("v32", "dp2+ep")}
 MATRIX = [pytest.param(kind, name, id=f"{kind}-{name}",
                        marks=() if (kind, name) in FAST else pytest.mark.slow)
           for kind in ODD_EXPERTS for name in MATRIX_LAYOUTS]
