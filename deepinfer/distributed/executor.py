@@ -33,6 +33,7 @@ from deepinfer.engine.outputs import RunnerOutput, SchedulerOutput
 
 logger = logging.getLogger("deepinfer")
 POLL_MS = 100
+BLAME_WAIT_S = 2.0  # after a rank reports an error, how long the monitor may take to name a dead or hung peer
 
 
 class RanksFailed(RuntimeError):
@@ -171,8 +172,20 @@ class Executor:
         _, payload = self.sock.recv_multipart()
         message = pickle.loads(payload)
         if message[0] == "error":
-            self._die(f"rank {message[1]} failed during {what}:\n{message[2]}")
+            self._die(self._blame(message[1], message[2], what))
         return message
+
+    def _blame(self, rank: int, trace: str, what: str) -> str:
+        """A rank's reported error, after the peers' fates: a rank whose peer died or hung fails in a
+        collective first (connection reset, timeout), so the monitor gets a moment to name the cause."""
+        deadline = time.monotonic() + BLAME_WAIT_S
+        while self.group is not None and time.monotonic() < deadline and not set(self.group.failures) - {rank}:
+            time.sleep(0.05)
+        others = {} if self.group is None else self.group.failures
+        causes = "; ".join(f"rank {r}: {why}" for r, why in sorted(others.items()) if r != rank)
+        last = trace.strip().splitlines()[-1] if trace.strip() else "no traceback"
+        own = f"rank {rank} failed during {what}: {last}"
+        return f"{causes}; then {own}" if causes else f"{own}\n{trace}"
 
     def _check(self, deadline: float, what: str) -> None:
         failures = self.group.failures if self.group is not None else {}
