@@ -402,3 +402,34 @@ def test_two_torchrun_nodes_of_two_ranks_serve_the_engine(v4_ckpt, reference):
                 os.killpg(n.pid, signal.SIGKILL)
     assert [n.returncode for n in nodes] == [0, 0], outs
     assert got == _tokens(reference.generate(prompts, GREEDY, use_tqdm=False))
+
+
+def test_torchrun_ranks_exit_when_their_driver_dies(v4_ckpt, tmp_path):
+    """A torchrun rank has no parent to watch: the driver's connection dropping ends it."""
+    driver = _free_port()
+    script = tmp_path / "driver.py"
+    script.write_text(textwrap.dedent(f"""
+        import time
+        from deepinfer import LLM
+        if __name__ == "__main__":
+            llm = LLM({str(v4_ckpt)!r}, load_progress=False, kv_cache_memory_bytes=2**24, block_size=16,
+                      data_parallel_size=2, distributed_workers="external", driver_address="127.0.0.1:{driver}")
+            print("ready", flush=True)
+            time.sleep(600)
+    """))
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    node = subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
+         "--master-addr", "127.0.0.1", "--master-port", str(_free_port()), "-m", "deepinfer.distributed.worker",
+         "--driver", f"127.0.0.1:{driver}", "--model", str(v4_ckpt), "--no-load-progress",
+         f"--kv-cache-memory-bytes={2**24}", "--block-size=16", "--data-parallel-size=2"],
+        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    owner = subprocess.Popen([sys.executable, str(script)], env=env, stdout=subprocess.PIPE, text=True)
+    try:
+        assert owner.stdout.readline().strip() == "ready"
+        owner.kill()
+        node.wait(timeout=30)  # the ranks exit (with an error), then torchrun does
+    finally:
+        for proc in (owner, node):
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL) if proc is node else proc.kill()

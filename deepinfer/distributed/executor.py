@@ -240,7 +240,7 @@ def _close(sock: zmq.Socket, ctx: zmq.Context, group: WorkerGroup | None, world:
             pass
     if group is not None:
         group.close()
-    sock.close(linger=0)
+    sock.close(linger=1000)  # torchrun ranks must still get their stop (they would see a disconnect instead)
     ctx.term()
 
 

@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 import zmq
 from tqdm.std import tqdm
+from zmq.utils.monitor import recv_monitor_message
 
 from deepinfer.bench.machine import peak_rss_bytes
 from deepinfer.config import EngineArgs, ModelConfig, resolve_dtype
@@ -130,6 +131,7 @@ class RankWorker:
         sock.setsockopt(zmq.IDENTITY, f"rank{self.rank}".encode())
         sock.setsockopt(zmq.LINGER, 2000)
         sock.connect(self.spec.driver)
+        self.driver_events = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         try:
             sock.send(pickle.dumps(("ready", self.rank, self.info())))
             self._loop(sock)
@@ -137,12 +139,13 @@ class RankWorker:
             sock.send(pickle.dumps(("error", self.rank, traceback.format_exc())))
             raise
         finally:
+            self.driver_events.close()
             sock.close()
             ctx.term()
 
     def _loop(self, sock: zmq.Socket) -> None:
         while True:
-            kind, step, plan = pickle.loads(sock.recv())
+            kind, step, plan = pickle.loads(self._next(sock))
             if kind == "stop":
                 return
             if kind == "stats":
@@ -154,6 +157,19 @@ class RankWorker:
             self.steps += 1
             if self.tp_rank == 0:
                 sock.send(pickle.dumps(("result", step, self.dp_rank, result)))
+
+    def _next(self, sock: zmq.Socket) -> bytes:
+        """The driver's next message. The driver's connection dropping ends the rank (a torchrun-started rank
+        has no other way to learn that its driver died; a spawned one also watches its parent)."""
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        poller.register(self.driver_events, zmq.POLLIN)
+        while True:
+            ready = dict(poller.poll())
+            if sock in ready:
+                return sock.recv()
+            if recv_monitor_message(self.driver_events)["event"] == zmq.EVENT_DISCONNECTED:
+                raise ConnectionError(f"rank {self.rank}: the driver at {self.spec.driver} disconnected")
 
     def stats(self) -> RankStats:
         tensors = list(self.model.parameters()) + list(self.model.buffers())
