@@ -3,9 +3,11 @@ sys.path travels with spawn). Run as a script, it is an owner process that leave
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -15,7 +17,26 @@ import torch.distributed as dist
 
 import deepinfer.distributed.backend as backend
 from deepinfer.config import ParallelConfig
-from deepinfer.distributed.launcher import WorkerGroup, WorkerOptions
+from deepinfer.distributed.launcher import WorkerGroup, WorkerOptions, free_port
+
+
+@contextlib.contextmanager
+def torchrun_nodes(nnodes: int, nproc: int, module_args: list[str], env: dict[str, str], capture: bool = True):
+    """`nnodes` torchrun agents of `nproc` ranks each on loopback, running `-m module_args...`; every agent's
+    session (agent and ranks) is SIGKILLed on the way out if it is still running."""
+    port = free_port()
+    out = subprocess.PIPE if capture else subprocess.DEVNULL
+    nodes = [subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nnodes), "--nproc-per-node", str(nproc),
+         "--node-rank", str(i), "--master-addr", "127.0.0.1", "--master-port", str(port), "-m", *module_args],
+        env=env, stdout=out, stderr=subprocess.STDOUT if capture else out, text=True, start_new_session=True)
+        for i in range(nnodes)]
+    try:
+        yield nodes
+    finally:
+        for node in nodes:
+            if node.poll() is None:
+                os.killpg(node.pid, signal.SIGKILL)
 
 
 def a2a_rows(src: int, dst: int) -> int:

@@ -20,7 +20,7 @@ import torch
 import deepinfer.distributed.backend as backend
 from deepinfer.config import ParallelConfig
 from deepinfer.distributed.check import verify_world
-from deepinfer.distributed.launcher import WorkerFailure, WorkerGroup, WorkerOptions, describe_exit, free_port
+from deepinfer.distributed.launcher import WorkerFailure, WorkerGroup, WorkerOptions, describe_exit
 from deepinfer.distributed.layout import make_layout
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -229,18 +229,8 @@ def test_world4_dp2_tp2_groups():
 
 @pytest.mark.slow
 def test_torchrun_two_nodes_of_two_ranks_on_loopback():
-    port = free_port()
-    nodes = [subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2",
-         "--node-rank", str(i), "--master-addr", "127.0.0.1", "--master-port", str(port),
-         "-m", "deepinfer.distributed.check", "--tensor-parallel-size", "2", "--expert-parallel", "--timeout-s", "60"],
-        env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-        for i in (0, 1)]
-    try:
+    args = ["deepinfer.distributed.check", "--tensor-parallel-size", "2", "--expert-parallel", "--timeout-s", "60"]
+    with dist_workers.torchrun_nodes(2, 2, args, _env()) as nodes:
         outs = [n.communicate(timeout=180)[0] for n in nodes]
-    finally:
-        for n in nodes:
-            if n.poll() is None:
-                os.killpg(n.pid, signal.SIGKILL)
     assert [n.returncode for n in nodes] == [0, 0], outs
     assert "OK world=4 dp=2 tp=2" in outs[0]

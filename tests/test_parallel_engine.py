@@ -17,6 +17,7 @@ import time
 
 import pytest
 import torch
+from dist_workers import torchrun_nodes
 from test_spec_decode import _with_mtp, _with_v3_mtp
 from tiny_models import make_reference, save_reference, write_tokenizer
 
@@ -24,6 +25,7 @@ from deepinfer import LLM, SamplingParams
 from deepinfer.config import SchedulerConfig
 from deepinfer.distributed.dp_engine import pick_replica
 from deepinfer.distributed.executor import RanksFailed
+from deepinfer.distributed.launcher import free_port
 from deepinfer.distributed.plan import MirrorBook, PlanEncoder
 from deepinfer.engine.kv_cache import KVCacheManager
 from deepinfer.engine.outputs import RunnerOutput
@@ -368,45 +370,26 @@ def test_a_failed_rank_fails_the_engine_in_bounded_time(v4_ckpt, sig, rank, matc
 
 
 # --- torchrun ----------------------------------------------------------------------------------------
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_two_torchrun_nodes_of_two_ranks_serve_the_engine(v4_ckpt, reference):
     """`torchrun` starts the ranks (2 "nodes" x 2 on loopback); the LLM is the driver they connect to."""
-    driver, master = _free_port(), _free_port()
-    layout = TORCHRUN_LAYOUT
+    driver, layout = free_port(), TORCHRUN_LAYOUT
     flags = [f"--{k.replace('_', '-')}" if v is True else f"--{k.replace('_', '-')}={v}" for k, v in layout.items()]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    nodes = [subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2",
-         "--node-rank", str(i), "--master-addr", "127.0.0.1", "--master-port", str(master),
-         "-m", "deepinfer.distributed.worker", "--driver", f"127.0.0.1:{driver}", "--model", str(v4_ckpt),
-         "--no-load-progress", f"--kv-cache-memory-bytes={16 * 2**20}", "--block-size=16", *flags],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-        for i in (0, 1)]
-    try:
+    args = ["deepinfer.distributed.worker", "--driver", f"127.0.0.1:{driver}", "--model", str(v4_ckpt),
+            "--no-load-progress", f"--kv-cache-memory-bytes={16 * 2**20}", "--block-size=16", *flags]
+    with torchrun_nodes(2, 2, args, {**os.environ, "OMP_NUM_THREADS": "1"}) as nodes:
         llm = LLM(v4_ckpt, load_progress=False, kv_cache_memory_bytes=16 * 2**20, block_size=16,
                   distributed_workers="external", driver_address=f"127.0.0.1:{driver}", **layout)
         prompts = _prompts(6, [11, 3, 17])
         got = _tokens(llm.generate(prompts, GREEDY, use_tqdm=False))
         llm.shutdown()
         outs = [n.communicate(timeout=60)[0] for n in nodes]
-    finally:
-        for n in nodes:
-            if n.poll() is None:
-                os.killpg(n.pid, signal.SIGKILL)
     assert [n.returncode for n in nodes] == [0, 0], outs
     assert got == _tokens(reference.generate(prompts, GREEDY, use_tqdm=False))
 
 
 def test_torchrun_ranks_exit_when_their_driver_dies(v4_ckpt, tmp_path):
     """A torchrun rank has no parent to watch: the driver's connection dropping ends it."""
-    driver = _free_port()
+    driver = free_port()
     script = tmp_path / "driver.py"
     script.write_text(textwrap.dedent(f"""
         import time
@@ -418,18 +401,13 @@ def test_torchrun_ranks_exit_when_their_driver_dies(v4_ckpt, tmp_path):
             time.sleep(600)
     """))
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    node = subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
-         "--master-addr", "127.0.0.1", "--master-port", str(_free_port()), "-m", "deepinfer.distributed.worker",
-         "--driver", f"127.0.0.1:{driver}", "--model", str(v4_ckpt), "--no-load-progress",
-         f"--kv-cache-memory-bytes={2**24}", "--block-size=16", "--data-parallel-size=2"],
-        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    owner = subprocess.Popen([sys.executable, str(script)], env=env, stdout=subprocess.PIPE, text=True)
-    try:
-        assert owner.stdout.readline().strip() == "ready"
-        owner.kill()
-        node.wait(timeout=30)  # the ranks exit (with an error), then torchrun does
-    finally:
-        for proc in (owner, node):
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL) if proc is node else proc.kill()
+    args = ["deepinfer.distributed.worker", "--driver", f"127.0.0.1:{driver}", "--model", str(v4_ckpt),
+            "--no-load-progress", f"--kv-cache-memory-bytes={2**24}", "--block-size=16", "--data-parallel-size=2"]
+    with torchrun_nodes(1, 2, args, env, capture=False) as (node,):
+        owner = subprocess.Popen([sys.executable, str(script)], env=env, stdout=subprocess.PIPE, text=True)
+        try:
+            assert owner.stdout.readline().strip() == "ready"
+            owner.kill()
+            node.wait(timeout=30)  # the ranks exit (with an error), then torchrun does
+        finally:
+            owner.kill()
