@@ -15,7 +15,8 @@ from tiny_models import make_reference, reference_greedy, reference_logits, save
 from deepinfer import LLM, SamplingParams
 
 NEW_TOKENS = 64
-PROMPT_LENGTHS = {"v4": (5, 17, 40, 70), "v4b": (3, 23, 50), "v3": (4, 19, 45), "v2": (6, 33)}
+PROMPT_LENGTHS = {"v4": (5, 17, 40, 70), "v4b": (3, 23, 50), "v3": (4, 19, 45), "v2": (6, 33),
+                  "v32": (5, 19, 45)}  # V3.2: longer than its indexer's top-6, so selection is sparse
 GREEDY = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
 
 
