@@ -102,10 +102,6 @@ class DPEngineCore:
     def has_unfinished(self) -> bool:
         return any(core.has_unfinished for core in self.replicas)
 
-    @property
-    def in_flight(self) -> bool:
-        return any(core.in_flight is not None for core in self.replicas)
-
     # --- stepping ------------------------------------------------------------------------------
     def step(self) -> list[Request]:
         touched = self._step_async() if self.args.async_scheduling else self._step_sync()

@@ -35,7 +35,6 @@ from deepinfer.distributed.moe_comm import (
     MoEComm,
     _all_gather_single,
     _local_expert_outputs,
-    ep_routed_experts,
     place_experts,
 )
 from deepinfer.distributed.tp import TPRank, all_reduce
@@ -201,4 +200,4 @@ def gather_rows(mine: torch.Tensor, num_rows: int, tp: TPRank, group: dist.Proce
     return out[:num_rows]
 
 
-__all__ = ["ModelParallel", "ParallelExperts", "ep_routed_experts", "gather_rows", "token_block"]
+__all__ = ["ModelParallel", "ParallelExperts", "gather_rows", "token_block"]

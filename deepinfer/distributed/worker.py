@@ -132,6 +132,9 @@ class RankWorker:
         sock.setsockopt(zmq.LINGER, 2000)
         sock.connect(self.spec.driver)
         self.driver_events = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self.poller = zmq.Poller()  # the driver's messages, and its connection dropping
+        self.poller.register(sock, zmq.POLLIN)
+        self.poller.register(self.driver_events, zmq.POLLIN)
         try:
             sock.send(pickle.dumps(("ready", self.rank, self.info())))
             self._loop(sock)
@@ -161,11 +164,8 @@ class RankWorker:
     def _next(self, sock: zmq.Socket) -> bytes:
         """The driver's next message. The driver's connection dropping ends the rank (a torchrun-started rank
         has no other way to learn that its driver died; a spawned one also watches its parent)."""
-        poller = zmq.Poller()
-        poller.register(sock, zmq.POLLIN)
-        poller.register(self.driver_events, zmq.POLLIN)
         while True:
-            ready = dict(poller.poll())
+            ready = dict(self.poller.poll())
             if sock in ready:
                 return sock.recv()
             if recv_monitor_message(self.driver_events)["event"] == zmq.EVENT_DISCONNECTED:
