@@ -6,11 +6,15 @@ import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
+if TYPE_CHECKING:
+    from deepinfer.config_v41 import V41Config
+
 SLIDING, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
-SUPPORTED_MODEL_TYPES = ("deepseek_v4", "deepseek_v32", "deepseek_v3", "deepseek_v2")
+SUPPORTED_MODEL_TYPES = ("deepseek_v4", "deepseek_v41", "deepseek_v32", "deepseek_v3", "deepseek_v2")
 # Keys that only DeepSeek-V4.1 / Flash-0731 configs carry; their semantics have no reference here.
 _V41_ONLY_KEYS = ("dspark", "engram", "csa2", "delayed_hc", "num_dspark_layers", "engram_vocab_size",
                   "shared_compressed_kv", "hc_delay")
@@ -99,6 +103,8 @@ class ModelConfig:
     rope_interleave: bool = True
     rope: RopeConfig | None = None
     softmax_scale: float = 0.0
+    weight_block_size: tuple[int, int] = (128, 128)  # FP8 [out, in] block of one scale
+    v41: V41Config | None = None  # DeepSeek-V4.1 layer roles, Engram and DSpark (config_v41.py)
     extra: dict = field(default_factory=dict, compare=False, hash=False)
 
     @property
@@ -106,9 +112,13 @@ class ModelConfig:
         return self.model_type == "deepseek_v4"
 
     @property
+    def is_v41(self) -> bool:
+        return self.model_type == "deepseek_v41"
+
+    @property
     def has_dsa_indexer(self) -> bool:
         """MLA with DeepSeek-V3.2's lightning indexer: every layer attends to its top-k scored positions."""
-        return not self.is_v4 and self.index_topk > 0
+        return not self.is_v4 and not self.is_v41 and self.index_topk > 0
 
     @classmethod
     def from_hf(cls, path: str | Path) -> ModelConfig:
@@ -131,6 +141,10 @@ class ModelConfig:
                               "are served as model_type 'deepseek_v32'")
         if mt not in SUPPORTED_MODEL_TYPES:
             raise ConfigError(f"unsupported model_type {mt!r}; deepinfer serves {', '.join(SUPPORTED_MODEL_TYPES)}")
+        if mt == "deepseek_v41":
+            from deepinfer.config_v41 import v41_from_dict
+
+            return v41_from_dict(raw)
         return _v4_from_dict(raw) if mt == "deepseek_v4" else _mla_from_dict(raw)
 
 
@@ -377,6 +391,16 @@ def _mla_from_dict(raw: dict) -> ModelConfig:
         softmax_scale=scale,
         extra={"tie_word_embeddings": bool(raw.get("tie_word_embeddings", False))},
     )
+
+
+def model_dtype(dtype: str | torch.dtype, config: ModelConfig, device: str = "cpu") -> torch.dtype:
+    """The compute dtype of `config`'s model. DeepSeek-V4.1 runs in bfloat16 only: its quantise-dequantise points
+    and GEMMs are defined on bf16 activations (the reference's numerics)."""
+    if not config.is_v41:
+        return resolve_dtype(dtype, config.hf_dtype, device)
+    if dtype not in ("auto", "bfloat16", torch.bfloat16):
+        raise ConfigError(f"DeepSeek-V4.1 runs in bfloat16 (its QAT quantisation points are bf16); got dtype {dtype!r}")
+    return torch.bfloat16
 
 
 def resolve_dtype(dtype: str | torch.dtype, hf_dtype: str = "bfloat16", device: str = "cpu") -> torch.dtype:

@@ -30,7 +30,7 @@ from tqdm.std import tqdm
 from zmq.utils.monitor import recv_monitor_message
 
 from deepinfer.bench.machine import peak_rss_bytes
-from deepinfer.config import EngineArgs, ModelConfig, resolve_dtype
+from deepinfer.config import EngineArgs, ModelConfig, model_dtype
 from deepinfer.distributed.backend import ParallelGroups, build_groups, init_from_env
 from deepinfer.distributed.layout import RankLayout, make_layout
 from deepinfer.distributed.model_parallel import ModelParallel
@@ -101,7 +101,7 @@ class RankWorker:
         self.device = rank_device(args)
         torch.manual_seed(args.seed)  # TP peers draw the same unseeded samples
         config = ModelConfig.from_hf(spec.model_path)
-        dtype = resolve_dtype(args.dtype, config.hf_dtype, self.device.type)
+        dtype = model_dtype(args.dtype, config, self.device.type)
         parallel = ModelParallel.from_groups(groups, config.n_routed_experts or 1, args.moe_comm)
         progress = args.load_progress and self.rank == 0
         self.model = load_model(spec.model_path, config, dtype, self.device, progress, parallel)

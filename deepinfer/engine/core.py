@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from deepinfer.config import EngineArgs, ModelConfig, resolve_dtype
+from deepinfer.config import EngineArgs, ModelConfig, model_dtype
 from deepinfer.engine.kv_cache import KVCacheManager
 from deepinfer.engine.outputs import RunnerOutput, SchedulerOutput
 from deepinfer.engine.scheduler import Scheduler
@@ -34,8 +34,13 @@ def load_model(path: str | Path, config: ModelConfig, dtype: torch.dtype, device
     model = model_class(config)(config, dtype=dtype, device=device, **extra)
     # A sharded model's rank reads only the tensors it stores, and of TP-split plain tensors only its block; a
     # single-process model wants every tensor whole.
-    model.load_weights(iter_checkpoint(path, config.model_type, progress=progress, wanted=wanted_names(model),
-                                       ranges=tensor_ranges(model)))
+    wanted, skipped = wanted_names(model), getattr(model, "skips_tensor", None)
+    if skipped is not None:  # tensors the model reads itself (memory-mapped tables) or does not use
+        wanted = (lambda w: lambda name: w(name) and not skipped(name))(wanted)
+    model.load_weights(iter_checkpoint(path, config.model_type, block_size=config.weight_block_size,
+                                       progress=progress, wanted=wanted, ranges=tensor_ranges(model)))
+    if hasattr(model, "attach_checkpoint"):
+        model.attach_checkpoint(path)
     return model.eval()
 
 
@@ -103,7 +108,7 @@ class EngineCore:
         self.structured = None  # StructuredOutputManager, created with the first constrained request
         self.device = torch.device(args.device)
         self.model_config = ModelConfig.from_hf(model)
-        self.dtype = resolve_dtype(args.dtype, self.model_config.hf_dtype, self.device.type)
+        self.dtype = model_dtype(args.dtype, self.model_config, self.device.type)
         self.speculative = args.speculative
         self.max_model_len = args.max_model_len or self.model_config.max_position
         if runner is None:

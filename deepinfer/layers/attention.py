@@ -36,3 +36,31 @@ def sink_attention_one(q: torch.Tensor, kv: torch.Tensor, sinks: torch.Tensor, s
     logits = torch.cat([(q.float() @ kv.float().t()) * scale, sinks.float().view(-1, 1)], dim=-1)
     probs = torch.softmax(logits - logits.amax(dim=-1, keepdim=True), dim=-1)[:, :-1]
     return (probs @ kv.float()).to(q.dtype)
+
+
+SINK_BLOCK = 64  # keys per online-softmax step of the blocked kernel
+
+
+def blocked_sink_attention(q: torch.Tensor, kv: torch.Tensor, valid: torch.Tensor, sinks: torch.Tensor,
+                           scale: float) -> torch.Tensor:
+    """Shared-KV sink attention as DeepSeek-V4.1's sparse kernel computes it: an online softmax over blocks of
+    SINK_BLOCK keys in column order, probabilities rounded to bf16 (relative to the running max) before the
+    value product, float32 denominators, the sink logit unscaled. Column order therefore matters; invalid
+    columns contribute nothing anywhere. q [T, H, d] bf16, kv [T, C, d] bf16, valid [T, C]. Returns bf16."""
+    qf, kvf = q.float().unsqueeze(0), kv.float().unsqueeze(0)  # [1, T, ...]: the kernel's [b, m, ...] shapes
+    t, h, d = q.shape
+    acc = torch.zeros(1, t, h, d, dtype=torch.float32, device=q.device)
+    denom = torch.zeros(1, t, h, dtype=torch.float32, device=q.device)
+    running = torch.full((1, t, h), -1e30, dtype=torch.float32, device=q.device)
+    factor = torch.tensor(scale, dtype=torch.float32)
+    for start in range(0, kv.shape[1], SINK_BLOCK):
+        ok = valid[None, :, start:start + SINK_BLOCK]
+        block = kvf[:, :, start:start + SINK_BLOCK] * ok.unsqueeze(-1)
+        logits = torch.where(ok.unsqueeze(2), torch.einsum("bmhd,bmkd->bmhk", qf, block), -torch.inf) * factor
+        previous, running = running, torch.maximum(running, logits.amax(dim=-1))
+        rescale = torch.exp(previous - running)
+        probs = torch.exp(logits - running.unsqueeze(-1))
+        denom = denom * rescale + probs.sum(dim=-1)
+        acc = acc * rescale.unsqueeze(-1) + torch.einsum("bmhk,bmkd->bmhd", probs.to(torch.bfloat16).float(), block)
+    denom = denom + torch.exp(sinks.float() - running)
+    return (acc / denom.unsqueeze(-1)).to(torch.bfloat16)[0]

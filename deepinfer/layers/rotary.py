@@ -75,3 +75,33 @@ def rotate_tail(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.
     """Interleaved rotation of the trailing rope slice of x; leading (nope) channels untouched."""
     rope_dim = 2 * cos.shape[-1]
     return torch.cat([x[..., :-rope_dim], rotate_interleaved(x[..., -rope_dim:], cos, sin)], dim=-1)
+
+
+def complex_rotations(rope: RopeConfig, n: int) -> torch.Tensor:
+    """[n, dim / 2] complex64 e^(i p f) for positions p < n, as DeepSeek-V4.1's reference builds its table:
+    frequencies base^(-2i/dim), with YaRN (when the rope has an original length) dividing the long-wavelength
+    ones by `factor` and ramping linearly across the beta_fast..beta_slow band."""
+    dim, base = rope.dim, rope.theta
+    freqs = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    if rope.original_max_position > 0 and rope.factor != 1.0:
+        def band_edge(rotations: float) -> float:
+            return dim * math.log(rope.original_max_position / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+        low = max(math.floor(band_edge(rope.beta_fast)), 0)
+        high = min(math.ceil(band_edge(rope.beta_slow)), dim - 1)
+        ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / max(high - low, 1e-3)).clamp(0, 1)
+        keep = 1 - ramp
+        freqs = freqs / rope.factor * (1 - keep) + freqs * keep
+    angles = torch.outer(torch.arange(n), freqs)
+    return torch.polar(torch.ones_like(angles), angles)
+
+
+def rotate_tail_complex(x: torch.Tensor, rotations: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+    """x [N, (H,) D] with its last 2 * rotations.shape[-1] channels rotated as adjacent (real, imag) pairs by
+    rotations [N, r] (complex; conjugated when `inverse`), the product rounded once to x's dtype."""
+    width = 2 * rotations.shape[-1]
+    rot = rotations.conj() if inverse else rotations
+    while rot.dim() < x.dim():
+        rot = rot.unsqueeze(-2)
+    tail = torch.view_as_real(torch.view_as_complex(x[..., -width:].float().unflatten(-1, (-1, 2))) * rot)
+    return torch.cat([x[..., :-width], tail.flatten(-2).to(x.dtype)], dim=-1)

@@ -32,7 +32,7 @@ SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 DEFAULT_BLOCK_SIZE = (128, 128)  # FP8 [out, in] block of one scale (DeepSeek-V3/V4 default)
 FP4_GROUP = 32  # FP4 routed experts: one UE8M0 scale per 32 consecutive inputs of a row (MX layout)
-MODEL_TYPES = ("deepseek_v4", "deepseek_v32", "deepseek_v3", "deepseek_v2")
+MODEL_TYPES = ("deepseek_v4", "deepseek_v41", "deepseek_v32", "deepseek_v3", "deepseek_v2")
 
 # safetensors header dtypes of weights that must come with a scale; I8/U8/F4 are packed FP4 (2 codes/byte).
 _FP8_DTYPES = frozenset({"F8_E4M3", "F8_E5M2"})
@@ -77,6 +77,11 @@ def _discover(root: Path) -> tuple[list[Path], dict[str, str] | None]:
     if not files:
         raise CheckpointError(f"{root}: no {SINGLE_FILE}, {INDEX_FILE} or *.safetensors files")
     return files, None
+
+
+def tensor_files(path: str | os.PathLike) -> dict[str, Path]:
+    """Tensor name -> the safetensors file holding it, from the headers only."""
+    return {name: entry.file for name, entry in _scan(_discover(Path(path))[0]).items()}
 
 
 def read_index(index_path: Path) -> dict[str, str]:
@@ -139,6 +144,7 @@ def canonical_name(name: str, model_type: str) -> str:
 
     deepseek_v4: DeepSeek's official names (`embed.weight`, `layers.N.attn.kv_norm.weight`, `mtp.K.*`, ...)
     from official, transformers-saved (`model.` prefix) or transformers in-memory names.
+    deepseek_v41: DeepSeek's official names, unchanged (its checkpoints ship only those).
     deepseek_v32 / deepseek_v3 / deepseek_v2: the HF names, unchanged.
     """
     if model_type not in MODEL_TYPES:

@@ -10,6 +10,7 @@ from deepinfer.config import ConfigError, ModelConfig
 
 _MODELS = {
     "deepseek_v4": ("deepinfer.models.deepseek_v4", "DeepseekV4ForCausalLM"),
+    "deepseek_v41": ("deepinfer.models.deepseek_v41", "DeepseekV41ForCausalLM"),
     "deepseek_v32": ("deepinfer.models.deepseek_v3", "DeepseekV3ForCausalLM"),
     "deepseek_v3": ("deepinfer.models.deepseek_v3", "DeepseekV3ForCausalLM"),
     "deepseek_v2": ("deepinfer.models.deepseek_v3", "DeepseekV3ForCausalLM"),
@@ -24,7 +25,7 @@ def model_class(config: ModelConfig) -> type[nn.Module]:
 
 
 def default_block_size(config: ModelConfig) -> int:
-    """V4: a multiple of every compress ratio (128 for V4-Flash); MLA: 64 tokens."""
+    """V4: a multiple of every compress ratio (128 for V4-Flash); V4.1 and MLA: 64 tokens."""
     if not config.is_v4:
         return 64
     size = 16

@@ -1,0 +1,79 @@
+"""Microscaling quantise-dequantise (QDQ) and block-scaled GEMMs, with DeepSeek-V4.1's rounding points.
+
+V4.1 was trained with these quantisation points in its forward, so a faithful forward reproduces them bit for
+bit: activations entering an FP8 / MXFP4 GEMM are FP8 E4M3 per 32 with power-of-two (UE8M0) scales; the window
+KV is FP8-QDQ'd; compressed KV is FP4 E2M1 per 16 with E4M3 scales; indexer q / k are FP4 per 32 with UE8M0
+scales. Inputs are bf16, QDQ outputs are bf16 (every QDQ value is exactly representable in bf16).
+
+Block-scaled GEMM: sum over K blocks of 32 (in K order, float32) of the block's dot products. Power-of-two
+scales commute exactly with float32 rounding, so the GEMM runs on dequantised float32 weights and QDQ'd
+float32 activations and equals the scaled-integer form bit for bit; only the K-block order is fixed.
+"""
+
+from __future__ import annotations
+
+import torch
+
+FP8_MAX, FP4_MAX = 448.0, 6.0
+BLOCK = 32
+_FP8_INV = torch.tensor(1.0 / FP8_MAX, dtype=torch.float32)  # the kernels multiply by the fp32 reciprocal
+_FP4_INV = torch.tensor(1.0 / FP4_MAX, dtype=torch.float32)
+_E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+# Midpoints between consecutive E2M1 magnitudes; at a tie round-to-nearest-even goes up to codes 2, 4, 6.
+_MIDS = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])
+_TIE_UP = torch.tensor([False, True, False, True, False, True, False])
+
+
+def pow2_scale(amax: torch.Tensor, inv_max: torch.Tensor) -> torch.Tensor:
+    """2^ceil(log2(amax * inv_max)) in float32 (the UE8M0 scale of a block whose absmax is amax)."""
+    x = amax.float() * inv_max
+    mantissa, exponent = torch.frexp(x)  # x = m * 2^e, m in [0.5, 1)
+    return torch.ldexp(torch.ones_like(x), exponent - (mantissa == 0.5).to(exponent.dtype))
+
+
+def e4m3(x: torch.Tensor) -> torch.Tensor:
+    """float32 -> float8_e4m3fn, nearest-even, saturating at +-448 (a plain cast would give NaN)."""
+    return x.clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+
+
+def e2m1_round(x: torch.Tensor) -> torch.Tensor:
+    """float32 in [-6, 6] -> the nearest E2M1 value (nearest-even at ties), sign of zero kept."""
+    mag = x.abs().unsqueeze(-1)
+    code = (mag > _MIDS).sum(-1) + ((mag == _MIDS) & _TIE_UP).sum(-1)
+    return torch.copysign(_E2M1[code], x)
+
+
+def fp8_qdq_float(x: torch.Tensor, block: int = BLOCK) -> torch.Tensor:
+    """float32 values of bf16 `x` after FP8 E4M3 quantisation per `block` with UE8M0 scales (absmax >= 1e-4)."""
+    groups = x.float().unflatten(-1, (-1, block))
+    scale = pow2_scale(groups.abs().amax(dim=-1).clamp_min(1e-4), _FP8_INV).unsqueeze(-1)
+    return (e4m3(groups / scale).float() * scale).flatten(-2)
+
+
+def fp8_qdq(x: torch.Tensor, block: int = BLOCK) -> torch.Tensor:
+    """FP8 QDQ of a bf16 tensor, returned in bf16 (the window KV's training quantisation point)."""
+    return fp8_qdq_float(x, block).to(x.dtype)
+
+
+def fp4_qdq(x: torch.Tensor, block: int = BLOCK, e4m3_scale: bool = False) -> torch.Tensor:
+    """FP4 E2M1 QDQ of a bf16 tensor per `block`: UE8M0 power-of-two scales (indexer q / k, blocks of 32), or
+    E4M3 scales amax / 6 (compressed KV, blocks of 16). Returned in bf16."""
+    groups = x.float().unflatten(-1, (-1, block))
+    amax = groups.abs().amax(dim=-1)
+    if e4m3_scale:
+        scale = e4m3(amax.clamp_min(6 * 2.0**-9) / FP4_MAX).float()
+    else:
+        scale = pow2_scale(amax.clamp_min(6 * 2.0**-126), _FP4_INV)
+    scale = scale.unsqueeze(-1)
+    return (e2m1_round((groups / scale).clamp(-FP4_MAX, FP4_MAX)) * scale).flatten(-2).to(x.dtype)
+
+
+def block_scaled_linear(x: torch.Tensor, weight: torch.Tensor, block: int = BLOCK) -> torch.Tensor:
+    """y = x @ weight.T for an FP8 / MXFP4 weight (dequantised float32 [N, K]) and bf16 x [..., K]: x is FP8-QDQ'd
+    per 32, each K block's product is float32 and the blocks are summed in K order. Returns x's dtype."""
+    k = x.shape[-1]
+    a = fp8_qdq_float(x, block).reshape(-1, k)
+    acc = torch.zeros(a.shape[0], weight.shape[0], dtype=torch.float32, device=x.device)
+    for start in range(0, k, block):
+        acc += a[:, start:start + block] @ weight[:, start:start + block].T
+    return acc.to(x.dtype).view(*x.shape[:-1], weight.shape[0])
