@@ -52,6 +52,16 @@ class QLinear(nn.Module):
         return block_scaled_linear(x, self.weight) if self.quantized else F.linear(x, self.weight)
 
 
+def per_request_linear(x: torch.Tensor, weight: torch.Tensor, starts: list[int]) -> torch.Tensor:
+    """F.linear over each request's rows separately. A float32 GEMM's rounding depends on its row count (BLAS
+    picks kernels by shape: one row is a GEMV), so every request gets the shapes its own schedule gives -- as
+    DeepSeek's reference runs one request: a prefill's rows in one call, one row per decode step -- never
+    shapes set by the requests batched with it. (The bf16 and block-scaled GEMMs here are row-independent.)"""
+    if len(starts) <= 2:
+        return F.linear(x, weight)
+    return torch.cat([F.linear(x[a:b], weight) for a, b in zip(starts[:-1], starts[1:])])
+
+
 def _linear(in_features: int, out_features: int, dtype: torch.dtype) -> nn.Linear:
     return nn.Linear(in_features, out_features, bias=False, dtype=dtype)
 
@@ -103,8 +113,10 @@ class Compressor(nn.Module):
             start = torch.tensor(meta.paged_write_from or meta.seq_starts, dtype=torch.long, device=x.device)
             keep = meta.positions >= start[meta.token_req]
             return self.norm(self.wkv(x))[keep], meta.positions[keep], meta.token_req[keep]
-        plan = ctx.compress(self.ratio)
-        new = torch.cat([self.wkv(x.float()), self.wgate(x.float())], dim=-1)
+        plan, starts = ctx.compress(self.ratio), meta.query_start
+        xf = x.float()
+        new = torch.cat([per_request_linear(xf, self.wkv.weight, starts),
+                         per_request_linear(xf, self.wgate.weight, starts)], dim=-1)
         ring_flat = ring.view(-1, ring.shape[-1])
         slots = plan.source.gather(ring_flat, new, plan.slot_idx)  # [N, r, 2d]
         plan.source.write(ring_flat, new)
@@ -268,8 +280,8 @@ class Gate(nn.Module):
         self.weight = nn.Parameter(torch.zeros(n_experts, cfg.hidden_size, dtype=torch.float32))
         self.bias = nn.Parameter(torch.zeros(n_experts, dtype=torch.float32))
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        scores = F.softplus(F.linear(x.float(), self.weight)).sqrt()
+    def forward(self, x: torch.Tensor, starts: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        scores = F.softplus(per_request_linear(x.float(), self.weight, starts)).sqrt()
         ids = stable_topk(scores + self.bias, self.topk)[1]
         weights = scores.gather(1, ids)
         if self.normalize and self.topk > 1:
@@ -306,8 +318,8 @@ class MoE(nn.Module):
         self.experts = nn.ModuleList(_expert(d, inter, cfg.swiglu_limit, q) for _ in range(n_experts))
         self.shared_experts = _expert(d, inter, cfg.swiglu_limit, q)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, ids = self.gate(x)
+    def forward(self, x: torch.Tensor, starts: list[int]) -> torch.Tensor:
+        weights, ids = self.gate(x, starts)
         out = torch.zeros_like(x, dtype=torch.float32)
         counts = torch.bincount(ids.flatten(), minlength=self.n_experts).tolist()
         for e, count in enumerate(counts):
@@ -382,19 +394,20 @@ class Block(nn.Module):
             setattr(self, f"hc_{part}_base", nn.Parameter(torch.zeros((2 + n) * n, dtype=torch.float32)))
             setattr(self, f"hc_{part}_scale", nn.Parameter(torch.ones(3, dtype=torch.float32)))
 
-    def mixes(self, streams: torch.Tensor, part: str):
+    def mixes(self, streams: torch.Tensor, part: str, starts: list[int]):
         flat = streams.flatten(1).float()
         rsqrt = torch.rsqrt(flat.square().mean(-1, keepdim=True) + self.eps)
-        mixes = F.linear(flat, getattr(self, f"hc_{part}_fn")) * rsqrt
+        mixes = per_request_linear(flat, getattr(self, f"hc_{part}_fn"), starts) * rsqrt
         return hc_split(mixes, getattr(self, f"hc_{part}_scale"), getattr(self, f"hc_{part}_base"), self.n, self.iters,
                         self.hc_eps)
 
     def forward(self, streams: torch.Tensor, pre: torch.Tensor, ctx: Step) -> tuple[torch.Tensor, torch.Tensor]:
-        attn_pre, post, comb = self.mixes(streams, "attn")
+        starts = ctx.meta.query_start
+        attn_pre, post, comb = self.mixes(streams, "attn", starts)
         out = self.attn(self.attn_norm(hc_collapse(streams, pre)), ctx)
         streams = hc_expand(out, streams, post, comb)
-        ffn_pre, post, comb = self.mixes(streams, "ffn")
-        out = self.ffn(self.ffn_norm(hc_collapse(streams, attn_pre)))
+        ffn_pre, post, comb = self.mixes(streams, "ffn", starts)
+        out = self.ffn(self.ffn_norm(hc_collapse(streams, attn_pre)), starts)
         return hc_expand(out, streams, post, comb), ffn_pre
 
 
@@ -520,7 +533,8 @@ class DeepseekV41ForCausalLM(nn.Module):
         return self.norm(hc_collapse(streams, pre))
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden.float(), self.head.weight)
+        """One row per call (see per_request_linear): a row's logits never depend on the other rows."""
+        return per_request_linear(hidden.float(), self.head.weight, list(range(hidden.shape[0] + 1)))
 
     # --- weights ---------------------------------------------------------------------------------------
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor, str]]) -> None:
