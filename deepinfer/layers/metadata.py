@@ -50,6 +50,8 @@ class ForwardMeta:
     # Per request: paged state of positions below this is a shared cached prefix and is not rewritten
     # (a prefix-cache hit recomputes some earlier tokens only to rebuild bounded state). None: seq_starts.
     paged_write_from: list[int] | None = None
+    # Per request: prompt tokens (positions at or past it are generated ones). None: unknown (draft steps).
+    prompt_lens: list[int] | None = None
     # Per-step derived tensors, computed once by the model and shared by its layers.
     scratch: dict = field(default_factory=dict)
 

@@ -52,14 +52,27 @@ class QLinear(nn.Module):
         return block_scaled_linear(x, self.weight) if self.quantized else F.linear(x, self.weight)
 
 
-def per_request_linear(x: torch.Tensor, weight: torch.Tensor, starts: list[int]) -> torch.Tensor:
-    """F.linear over each request's rows separately. A float32 GEMM's rounding depends on its row count (BLAS
-    picks kernels by shape: one row is a GEMV), so every request gets the shapes its own schedule gives -- as
-    DeepSeek's reference runs one request: a prefill's rows in one call, one row per decode step -- never
-    shapes set by the requests batched with it. (The bf16 and block-scaled GEMMs here are row-independent.)"""
-    if len(starts) <= 2:
+def gemm_segments(meta: ForwardMeta) -> list[int]:
+    """Row boundaries of the float32 GEMM calls of a step (see per_request_linear): each request's prompt rows in
+    one call, each generated token's row in its own -- the shapes DeepSeek's reference gives a request (its
+    prefill in one call, one row per decode step), whatever the batch, and again when a preempted request is
+    recomputed or a speculative step verifies several generated tokens at once."""
+    bounds = [0]
+    for r in range(meta.num_reqs):
+        start, end = meta.query_start[r], meta.query_start[r + 1]
+        prompt = meta.prompt_lens[r] if meta.prompt_lens is not None else meta.seq_lens[r]
+        split = min(end, max(start, start + prompt - meta.seq_starts[r]))
+        bounds += ([split] if split > start else []) + list(range(split + 1, end + 1))
+    return bounds
+
+
+def per_request_linear(x: torch.Tensor, weight: torch.Tensor, bounds: list[int]) -> torch.Tensor:
+    """F.linear call by call over the row ranges `bounds`. A float32 GEMM's rounding depends on its row count
+    (BLAS picks kernels by shape: one row is a GEMV), so a row's result must not depend on the rows batched with
+    it. (The bf16 and block-scaled GEMMs here are row-independent already.)"""
+    if len(bounds) <= 2:
         return F.linear(x, weight)
-    return torch.cat([F.linear(x[a:b], weight) for a, b in zip(starts[:-1], starts[1:])])
+    return torch.cat([F.linear(x[a:b], weight) for a, b in zip(bounds[:-1], bounds[1:])])
 
 
 def _linear(in_features: int, out_features: int, dtype: torch.dtype) -> nn.Linear:
@@ -81,6 +94,7 @@ class Step:
         self.picks: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # index source -> (entries, valid) [T, K]
         self.candidates: dict[int, torch.Tensor] = {}  # request row -> bool [T_r, E_r] of the candidate source
         self.engram_rows = model.engram_rows(meta) if model.hasher is not None else None
+        self.segments = gemm_segments(meta)
         self._plans: dict[int, object] = {}
 
     def compress(self, ratio: int):
@@ -113,7 +127,7 @@ class Compressor(nn.Module):
             start = torch.tensor(meta.paged_write_from or meta.seq_starts, dtype=torch.long, device=x.device)
             keep = meta.positions >= start[meta.token_req]
             return self.norm(self.wkv(x))[keep], meta.positions[keep], meta.token_req[keep]
-        plan, starts = ctx.compress(self.ratio), meta.query_start
+        plan, starts = ctx.compress(self.ratio), ctx.segments
         xf = x.float()
         new = torch.cat([per_request_linear(xf, self.wkv.weight, starts),
                          per_request_linear(xf, self.wgate.weight, starts)], dim=-1)
@@ -402,7 +416,7 @@ class Block(nn.Module):
                         self.hc_eps)
 
     def forward(self, streams: torch.Tensor, pre: torch.Tensor, ctx: Step) -> tuple[torch.Tensor, torch.Tensor]:
-        starts = ctx.meta.query_start
+        starts = ctx.segments
         attn_pre, post, comb = self.mixes(streams, "attn", starts)
         out = self.attn(self.attn_norm(hc_collapse(streams, pre)), ctx)
         streams = hc_expand(out, streams, post, comb)

@@ -141,7 +141,8 @@ class ModelRunner:
             logits_indices=self._long([row for _, row in sample_rows] + [row for _, _, row in prompt_rows]),
             query_start=qstart, seq_starts=[s.start for s in scheduled],
             seq_lens=[s.start + s.num_new_tokens for s in scheduled], block_size=self.layout.block_size,
-            paged_write_from=[s.write_from for s in scheduled])
+            paged_write_from=[s.write_from for s in scheduled],
+            prompt_lens=[len(s.request.prompt_token_ids) for s in scheduled])
         return meta, sample_rows, prompt_rows
 
     def _input_ids(self, s: ScheduledRequest) -> list[int]:
