@@ -546,6 +546,9 @@ class EngineArgs:
     distributed_timeout_s: float = 60.0  # a collective, or the ranks' answer to a step, taking longer fails
     distributed_workers: str = "spawn"  # spawn: this process starts one per rank | external: torchrun starts them
     driver_address: str = "127.0.0.1:0"  # host:port the ranks reach this process at (0: any free port)
+    # DeepSeek-V4.1 prefill truncation: from the first ratio-1 layer on, a prompt computes only its last K tokens
+    # (DeepSeek's engine: 140). 0: off. Exact for prompts of at most K tokens; see docs/models.md.
+    prefill_truncation_tokens: int = 0
 
     def __post_init__(self):
         _ = self.parallel  # validates the sizes
@@ -564,6 +567,8 @@ class EngineArgs:
         if SpeculativeConfig.parse(self.speculative_config) is not None and self.deterministic:
             raise ValueError("speculative decoding cannot be combined with deterministic mode (verification "
                              "steps batch several tokens of a request, which deterministic mode rules out)")
+        if self.prefill_truncation_tokens < 0:
+            raise ValueError(f"prefill_truncation_tokens must be >= 0, got {self.prefill_truncation_tokens}")
         if self.swa_restore not in ("replay", "snapshot", "auto"):
             raise ValueError(f"swa_restore must be replay, snapshot or auto, got {self.swa_restore!r}")
 

@@ -57,6 +57,11 @@ def prepare_model(model: torch.nn.Module, args: EngineArgs) -> None:
     model.kv_cache_dtype = args.kv_cache_dtype
     if args.speculative is not None:  # rings keep room to roll back every draft of a step
         model.num_lookahead_tokens = args.speculative.num_speculative_tokens
+    if args.prefill_truncation_tokens:
+        if not hasattr(model, "enable_prefill_truncation"):
+            raise ValueError("prefill_truncation_tokens is a DeepSeek-V4.1 option (its late layers read the shared "
+                             "compressed KV); this model has no such layers")
+        model.enable_prefill_truncation(args.prefill_truncation_tokens, model.num_lookahead_tokens)
 
 
 def cache_specs(model: torch.nn.Module, args: EngineArgs, block_size: int):
@@ -187,6 +192,9 @@ class EngineCore:
                              f"({self.layout.num_tokens} tokens) with room for an output token")
         if params.structured_outputs is not None:
             self._structured_manager().validate(params.structured_outputs)
+        if params.prompt_logprobs is not None and self.args.prefill_truncation_tokens:
+            raise ValueError(f"request {request_id}: prompt_logprobs cannot be combined with prefill truncation "
+                             "(the truncated layers skip most prompt positions)")
         room = capacity - n  # a request alone always fits, so preemption always makes progress
         return room if params.max_tokens is None else min(params.max_tokens, room)
 

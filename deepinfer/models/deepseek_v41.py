@@ -34,7 +34,16 @@ from deepinfer.layers.norm import RMSNorm
 from deepinfer.layers.rotary import complex_rotations, rotate_tail_complex
 from deepinfer.models.engram import EngramTable, NgramHasher, compressed_token_map
 from deepinfer.models.v4_plan import compress_plan, ring_source
-from deepinfer.models.v41_plan import WindowColumns, candidate_blocks, pack_columns, stable_topk, window_columns
+from deepinfer.models.v41_plan import (
+    WindowColumns,
+    candidate_blocks,
+    keep_rows,
+    pack_columns,
+    stable_topk,
+    subset_columns,
+    truncation_floor,
+    window_columns,
+)
 from deepinfer.models.weights import assign_weights
 
 
@@ -87,13 +96,18 @@ class Step:
     """Per-step values every layer shares: rotations, window layouts, Engram rows, and the compressed streams /
     index picks / candidate masks the source layers publish for the later ones (keyed by source layer)."""
 
-    def __init__(self, model: DeepseekV41ForCausalLM, meta: ForwardMeta):
+    def __init__(self, model: DeepseekV41ForCausalLM, meta: ForwardMeta, floor: torch.Tensor | None = None,
+                 engram_rows: dict | None = None):
+        """floor [R]: positions below it were not computed at the layers this step serves (prefill truncation)."""
         self.meta, self.model = meta, model
         self.rot = {kind: model.rotations(kind, meta.positions) for kind in ("main", "compress")}
-        self.window: WindowColumns = window_columns(meta, model.config.sliding_window, model.num_lookahead_tokens)
+        self.window: WindowColumns = window_columns(meta, model.config.sliding_window, model.num_lookahead_tokens,
+                                                    floor)
         self.picks: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # index source -> (entries, valid) [T, K]
         self.candidates: dict[int, torch.Tensor] = {}  # request row -> bool [T_r, E_r] of the candidate source
-        self.engram_rows = model.engram_rows(meta) if model.hasher is not None else None
+        if engram_rows is None and model.hasher is not None:
+            engram_rows = model.engram_rows(meta)
+        self.engram_rows = engram_rows
         self.segments = gemm_segments(meta)
         self._plans: dict[int, object] = {}
 
@@ -246,36 +260,57 @@ class Attention(nn.Module):
         return specs
 
     def forward(self, x: torch.Tensor, ctx: Step) -> torch.Tensor:
+        win_keys = self._window(x, ctx)
+        if self.is_kv_source:
+            self._publish(x, ctx)
+        return self._attend(x, ctx, win_keys, ctx.window)
+
+    def forward_truncated(self, x: torch.Tensor, ctx: Step, late: Step, keep: torch.Tensor) -> torch.Tensor:
+        """Prefill truncation's first layer: window KV and compressed KV of every row (later layers read them),
+        attention of the kept rows only (in the `late` sub-step)."""
+        win_keys = self._window(x, ctx)[keep]
+        if self.is_kv_source:
+            self._publish(x, ctx)
+        return self._attend(x[keep], late, win_keys, subset_columns(ctx.window, keep))
+
+    def _window(self, x: torch.Tensor, ctx: Step) -> torch.Tensor:
+        """This step's window keys [T, W, d] per query; writes the rows' FP8-QDQ'd KV into the ring."""
+        kv = fp8_qdq(rotate_tail_complex(self.kv_norm(self.wkv(x)), ctx.rot[self.rope]))
+        ring = self.cache["window"].view(-1, self.head_dim)
+        keys = ctx.window.source.gather(ring, kv, ctx.window.rows)
+        ctx.window.source.write(ring, kv)
+        return keys
+
+    def _attend(self, x: torch.Tensor, ctx: Step, win_keys: torch.Tensor, columns: WindowColumns) -> torch.Tensor:
         rot = ctx.rot[self.rope]
         qr = self.q_norm(self.wq_a(x))
         q = rotate_tail_complex(self.wq_b(qr).view(-1, self.n_heads, self.head_dim), rot)
-        kv = fp8_qdq(rotate_tail_complex(self.kv_norm(self.wkv(x)), rot))
-        ring = self.cache["window"].view(-1, self.head_dim)
-        win_keys = ctx.window.source.gather(ring, kv, ctx.window.rows)
-        ctx.window.source.write(ring, kv)
         comp_keys = comp_valid = None
         if self.ratio:
             comp_keys, comp_valid = self._compressed(x, qr, ctx)
-        keys, valid = pack_columns(win_keys, ctx.window, comp_keys, comp_valid)
+        keys, valid = pack_columns(win_keys, columns, comp_keys, comp_valid)
         out = blocked_sink_attention(q, keys, valid, self.attn_sink, self.head_dim**-0.5)
         out = rotate_tail_complex(out, rot, inverse=True)
         grouped = out.view(1, -1, self.groups, self.n_heads * self.head_dim // self.groups)  # [b, s, G, H d / G]
         grouped = torch.einsum("bsgd,grd->bsgr", grouped, self.wo_a.weight.view(self.groups, self.o_rank, -1))
         return self.wo_b(grouped.flatten(2)[0])
 
-    def _compressed(self, x: torch.Tensor, qr: torch.Tensor, ctx: Step):
+    def _pools(self, ctx: Step) -> tuple[PagedPool, PagedPool]:
+        """(compressed entries, index keys) of this layer's kv source."""
         src = ctx.model.layers[self.kv_source].attn
-        entries = PagedPool.of(src.cache, "compressor.entries", self.head_dim, torch.bfloat16)
-        keys = PagedPool.of(src.cache, "indexer.keys", src.indexer.head_dim, torch.bfloat16)
-        if self.is_kv_source:
-            self._publish(x, ctx, entries, keys)
+        return (PagedPool.of(src.cache, "compressor.entries", self.head_dim, torch.bfloat16),
+                PagedPool.of(src.cache, "indexer.keys", src.indexer.head_dim, torch.bfloat16))
+
+    def _compressed(self, x: torch.Tensor, qr: torch.Tensor, ctx: Step):
+        entries, keys = self._pools(ctx)
         if self.is_index_source:
             ctx.picks[self.layer] = self.indexer.select(x, qr, ctx, keys, self.ratio, self.role)
         picked, valid = ctx.picks[self.index_source]
         rows = ctx.meta.slots_of(ctx.meta.token_req[:, None].expand_as(picked), picked, ratio=self.ratio)
         return entries.read(rows), valid
 
-    def _publish(self, x: torch.Tensor, ctx: Step, entries: PagedPool, keys: PagedPool) -> None:
+    def _publish(self, x: torch.Tensor, ctx: Step) -> None:
+        entries, keys = self._pools(ctx)
         latents, entry, req = self.compressor.new_latents(x, ctx, self.cache.get("compressor.ring"))
         if not entry.numel():
             return
@@ -420,6 +455,16 @@ class Block(nn.Module):
         attn_pre, post, comb = self.mixes(streams, "attn", starts)
         out = self.attn(self.attn_norm(hc_collapse(streams, pre)), ctx)
         streams = hc_expand(out, streams, post, comb)
+        return self._ffn(streams, attn_pre, starts)
+
+    def forward_truncated(self, streams: torch.Tensor, pre: torch.Tensor, ctx: Step, late: Step,
+                          keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The first truncated layer: every row feeds the KV this layer publishes; only the kept rows go on."""
+        attn_pre, post, comb = self.mixes(streams[keep], "attn", late.segments)
+        out = self.attn.forward_truncated(self.attn_norm(hc_collapse(streams, pre)), ctx, late, keep)
+        return self._ffn(hc_expand(out, streams[keep], post, comb), attn_pre, late.segments)
+
+    def _ffn(self, streams: torch.Tensor, attn_pre: torch.Tensor, starts: list[int]):
         ffn_pre, post, comb = self.mixes(streams, "ffn", starts)
         out = self.ffn(self.ffn_norm(hc_collapse(streams, attn_pre)), starts)
         return hc_expand(out, streams, post, comb), ffn_pre
@@ -440,6 +485,7 @@ class DeepseekV41ForCausalLM(nn.Module):
         self.kv_cache_dtype = "auto"
         self.batch_invariant_kernels = True
         self.num_lookahead_tokens = 0
+        self.prefill_truncation_tokens, self.truncate_from = 0, -1  # enable_prefill_truncation
         v41, d = config.v41, config.hidden_size
         self.embed = nn.Embedding(config.vocab_size, d, dtype=torch.bfloat16)
         self.layers = nn.ModuleList(Block(config, i, config.n_routed_experts, config.num_experts_per_tok)
@@ -540,11 +586,42 @@ class DeepseekV41ForCausalLM(nn.Module):
         streams = self.embed(meta.input_ids).unsqueeze(1).repeat(1, self.config.hc_mult, 1)
         pre = torch.zeros(streams.shape[0], self.config.hc_mult, dtype=torch.float32, device=streams.device)
         pre[:, 0] = 1.0
+        floor, keep = truncation_floor(meta, self.prefill_truncation_tokens), None
         for i, layer in enumerate(self.layers):
             if layer.engram is not None:
                 streams = layer.engram(streams, ctx.engram_rows[i])
+            if floor is not None and i == self.truncate_from:
+                sub, keep = keep_rows(meta, floor)
+                rows = None if ctx.engram_rows is None else {k: v[keep] for k, v in ctx.engram_rows.items()}
+                late = Step(self, sub, floor, rows)
+                streams, pre = layer.forward_truncated(streams, pre, ctx, late, keep)
+                ctx = late
+                continue
             streams, pre = layer(streams, pre, ctx)
-        return self.norm(hc_collapse(streams, pre))
+        hidden = self.norm(hc_collapse(streams, pre))
+        if keep is None:
+            return hidden
+        full = hidden.new_zeros(meta.num_tokens, hidden.shape[-1])  # dropped prompt rows: never sampled
+        full[keep] = hidden
+        return full
+
+    def enable_prefill_truncation(self, keep_tokens: int, lookahead: int = 0) -> None:
+        """Prefill truncation (DeepSeek's "decoder SWA bounded replay"): from the first ratio-1 layer on, a prompt's
+        layers compute only its last `keep_tokens` tokens; that layer still publishes every token's compressed KV
+        (what later layers read of the rest). Exact when the prompt has at most keep_tokens tokens."""
+        cfg, v41 = self.config, self.config.v41
+        start = next((i for i, r in enumerate(cfg.compress_ratios) if r == 1), None)
+        if start is None or start != v41.kv_source_layers[-1] or start not in v41.index_source_layers:
+            raise ValueError("prefill truncation needs the first ratio-1 layer to be the last kv source and an index "
+                             "source (as in DeepSeek-V4.1-Flash)")
+        late_index = [v41.index_source_of(i) for i in range(start, cfg.num_layers) if cfg.compress_ratios[i]]
+        if min(late_index, default=start) < start or v41.candidate_source_layer not in (-1, start):
+            raise ValueError("prefill truncation needs every later layer to take its top-k from layers at or after "
+                             f"layer {start}")
+        if keep_tokens < cfg.sliding_window + lookahead:
+            raise ValueError(f"prefill_truncation_tokens {keep_tokens} must be at least the window "
+                             f"{cfg.sliding_window} plus the speculative tokens {lookahead}")
+        self.prefill_truncation_tokens, self.truncate_from = keep_tokens, start
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """One row per call (see per_request_linear): a row's logits never depend on the other rows."""

@@ -12,7 +12,7 @@ of the step), in entry order, the picks the query may not see last and invalid. 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -28,7 +28,9 @@ class WindowColumns:
     width: torch.Tensor  # [T] window columns of the token's layout
 
 
-def window_columns(meta: ForwardMeta, window: int, lookahead: int = 0) -> WindowColumns:
+def window_columns(meta: ForwardMeta, window: int, lookahead: int = 0,
+                   floor: torch.Tensor | None = None) -> WindowColumns:
+    """floor [R]: positions below it were never computed at this layer (prefill truncation): invalid keys."""
     src = ring_source(meta, window + lookahead)
     starts = torch.tensor(meta.seq_starts, dtype=torch.long, device=meta.device)[meta.token_req]
     lens = torch.tensor(meta.query_lens(), dtype=torch.long, device=meta.device)[meta.token_req]
@@ -39,9 +41,40 @@ def window_columns(meta: ForwardMeta, window: int, lookahead: int = 0) -> Window
     pos = first + j
     width = torch.where(fresh, lens.clamp(max=window), torch.full_like(lens, window))
     valid = (pos >= 0) & (pos <= p) & (j < width[:, None])
+    if floor is not None:
+        valid &= pos >= floor[meta.token_req][:, None]
     req = meta.token_req[:, None].expand_as(pos)
     rows = torch.where(valid, src.index(req, pos.clamp(min=0).minimum(p)), torch.zeros_like(pos))
     return WindowColumns(src, rows, valid, width)
+
+
+def subset_columns(win: WindowColumns, keep: torch.Tensor) -> WindowColumns:
+    """The columns of the kept rows (their keys gathered by the full step's plan)."""
+    return WindowColumns(win.source, win.rows[keep], win.valid[keep], win.width[keep])
+
+
+def truncation_floor(meta: ForwardMeta, keep_tokens: int) -> torch.Tensor | None:
+    """Per request, the first prompt position the truncated layers compute (prompt - keep_tokens, at least 0);
+    None when no request's prompt is longer than keep_tokens."""
+    if keep_tokens <= 0 or meta.prompt_lens is None or max(meta.prompt_lens, default=0) <= keep_tokens:
+        return None
+    return torch.tensor([max(0, n - keep_tokens) for n in meta.prompt_lens], dtype=torch.long, device=meta.device)
+
+
+def keep_rows(meta: ForwardMeta, floor: torch.Tensor) -> tuple[ForwardMeta, torch.Tensor]:
+    """The step restricted to tokens at or past each request's floor: (sub-step, kept row indices). A request's
+    kept tokens are contiguous, so the sub-step starts each request at max(start, floor)."""
+    keep = torch.nonzero(meta.positions >= floor[meta.token_req]).flatten()
+    floors = floor.tolist()
+    starts = [min(max(s, f), e) for s, f, e in zip(meta.seq_starts, floors, meta.seq_lens)]
+    qstart = [0]
+    for s, e in zip(starts, meta.seq_lens):
+        qstart.append(qstart[-1] + e - s)
+    write_from = [max(w, s) for w, s in zip(meta.paged_write_from or meta.seq_starts, starts)]
+    sub = replace(meta, input_ids=meta.input_ids[keep], positions=meta.positions[keep],
+                  token_req=meta.token_req[keep], logits_indices=meta.logits_indices[:0], query_start=qstart,
+                  seq_starts=starts, paged_write_from=write_from, scratch={})
+    return sub, keep
 
 
 def pack_columns(win_keys: torch.Tensor, win: WindowColumns, comp_keys: torch.Tensor | None = None,
