@@ -65,17 +65,27 @@ def prepare_model(model: torch.nn.Module, args: EngineArgs) -> None:
 
 
 def cache_specs(model: torch.nn.Module, args: EngineArgs, block_size: int):
-    """The model's cache tensors, and a draft MTP layer's own when it drafts."""
-    if args.speculative is not None and args.speculative.method == "mtp":
+    """The model's cache tensors, and a draft MTP layer's (or V4.1's own DSpark stages') when it drafts."""
+    if args.speculative is not None and (args.speculative.method == "mtp" or _own_dspark(model, args)):
         return model.kv_cache_spec(block_size, include_mtp=True)
     return model.kv_cache_spec(block_size)
 
 
+def _own_dspark(model: torch.nn.Module, args: EngineArgs) -> bool:
+    from deepinfer.spec.dspark_v41 import has_own_dspark
+
+    return args.speculative is not None and args.speculative.method == "dspark" and has_own_dspark(model)
+
+
 def replay_tokens(model: torch.nn.Module, args: EngineArgs) -> int:
-    """A drafting MTP layer sits on top of the stack: one more window to rebuild at a prefix hit."""
+    """A drafting MTP layer sits on top of the stack: one more window to rebuild at a prefix hit. V4.1's DSpark
+    rings hold W positions of main-model KV, each from taps at most the deepest target layer deep."""
     replay = model.prefix_replay_tokens()
     if replay and args.speculative is not None and args.speculative.method == "mtp":
         replay += model.config.sliding_window - 1
+    if replay and _own_dspark(model, args) and model.config.v41.dspark is not None:
+        w = model.config.sliding_window
+        replay = max(replay, (max(model.config.v41.dspark.target_layer_ids) + 1) * (w - 1) + w - 1)
     return replay
 
 

@@ -473,6 +473,16 @@ class Block(nn.Module):
 _ROTATION_ROWS = 4096  # grown on demand
 
 
+def _scatter(rows: torch.Tensor, keep: torch.Tensor | None, n: int) -> torch.Tensor:
+    """Rows of the kept tokens back at their step rows; prompt rows prefill truncation dropped stay zero (they are
+    never sampled, and what DSpark reads of them lies outside its window)."""
+    if keep is None:
+        return rows
+    full = rows.new_zeros(n, rows.shape[-1])
+    full[keep] = rows
+    return full
+
+
 class DeepseekV41ForCausalLM(nn.Module):
     def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cpu",
                  parallel: ModelParallel | None = None):
@@ -492,7 +502,9 @@ class DeepseekV41ForCausalLM(nn.Module):
                                     for i in range(config.num_layers))
         self.norm = _norm(d, config.rms_norm_eps)
         self.head = _linear(d, config.vocab_size, torch.float32)
-        self.mtp = nn.ModuleList()  # DSpark stages: not built yet (their mtp.* tensors are skipped)
+        from deepinfer.models.dspark_v41 import build_stages  # it builds on this module's blocks
+
+        self.mtp = build_stages(config)  # the DSpark stages mtp.{K}.* (empty without config.v41.dspark)
         self.mtp_loaded = False
         self.hasher: NgramHasher | None = None
         self.engram_tables: dict[int, EngramTable] = {}
@@ -564,6 +576,10 @@ class DeepseekV41ForCausalLM(nn.Module):
         if self.has_engram:
             specs.append(CacheTensorSpec("engram.tokens", "state", (self.config.v41.engram.max_ngram_size + look,),
                                          torch.long))
+        if include_mtp and len(self.mtp):  # the DSpark stages' rings of main-model KV
+            specs += [CacheTensorSpec(f"mtp.{k}.window", "state", (self.config.sliding_window + look,
+                                                                   self.config.head_dim), torch.bfloat16)
+                      for k in range(len(self.mtp))]
         return specs
 
     def prefix_replay_tokens(self) -> int:
@@ -572,14 +588,15 @@ class DeepseekV41ForCausalLM(nn.Module):
 
     def bind_kv_cache(self, tensors: dict[str, torch.Tensor]) -> None:
         self.cache = tensors
-        for i, layer in enumerate(self.layers):
-            prefix = f"layers.{i}."
+        for prefix, layer in [(f"layers.{i}.", x) for i, x in enumerate(self.layers)] + \
+                [(f"mtp.{k}.", x) for k, x in enumerate(self.mtp)]:
             layer.attn.cache = {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}
 
     # --- compute ---------------------------------------------------------------------------------------
     def forward(self, meta: ForwardMeta, return_mtp_input: bool = False) -> torch.Tensor:
-        if return_mtp_input:
-            raise ValueError("DeepSeek-V4.1 has no MTP layers (its mtp.* tensors are the DSpark head)")
+        if return_mtp_input and not len(self.mtp):
+            raise ValueError("this DeepSeek-V4.1 config has no DSpark head (its input is what return_mtp_input gives)")
+        taps = [] if return_mtp_input else None  # DSpark: target layers' input streams, mean over hc copies
         if self.has_engram and self.hasher is None:
             raise RuntimeError("Engram is configured but its tables are not attached (attach_checkpoint)")
         ctx = Step(self, meta)
@@ -590,6 +607,8 @@ class DeepseekV41ForCausalLM(nn.Module):
         for i, layer in enumerate(self.layers):
             if layer.engram is not None:
                 streams = layer.engram(streams, ctx.engram_rows[i])
+            if taps is not None and i in self.config.v41.dspark.target_layer_ids:
+                taps.append(_scatter(streams.mean(dim=1), keep, meta.num_tokens))
             if floor is not None and i == self.truncate_from:
                 sub, keep = keep_rows(meta, floor)
                 rows = None if ctx.engram_rows is None else {k: v[keep] for k, v in ctx.engram_rows.items()}
@@ -598,12 +617,8 @@ class DeepseekV41ForCausalLM(nn.Module):
                 ctx = late
                 continue
             streams, pre = layer(streams, pre, ctx)
-        hidden = self.norm(hc_collapse(streams, pre))
-        if keep is None:
-            return hidden
-        full = hidden.new_zeros(meta.num_tokens, hidden.shape[-1])  # dropped prompt rows: never sampled
-        full[keep] = hidden
-        return full
+        hidden = _scatter(self.norm(hc_collapse(streams, pre)), keep, meta.num_tokens)
+        return (hidden, torch.cat(taps, dim=-1)) if taps is not None else hidden
 
     def enable_prefill_truncation(self, keep_tokens: int, lookahead: int = 0) -> None:
         """Prefill truncation (DeepSeek's "decoder SWA bounded replay"): from the first ratio-1 layer on, a prompt's
@@ -629,11 +644,12 @@ class DeepseekV41ForCausalLM(nn.Module):
 
     # --- weights ---------------------------------------------------------------------------------------
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor, str]]) -> None:
-        assign_weights(self, weights)
+        loaded = assign_weights(self, weights, optional_prefixes=("mtp.",))
+        self.mtp_loaded = bool(len(self.mtp)) and "mtp." in loaded
 
-    @staticmethod
-    def skips_tensor(name: str) -> bool:
+    def skips_tensor(self, name: str) -> bool:
         """Checkpoint tensors not read through the loader: Engram tables (memory-mapped by attach_checkpoint), the
-        DSpark head (not built yet) and the vision tower (not supported yet)."""
+        mtp.* tensors of a config without the DSpark head, and the vision tower (not supported yet)."""
         return name.endswith(("engram.embed.weight", "engram.embed.scale")) or name.startswith(
-            ("mtp.", "vision.", "aligner.", "image_start", "image_end", "image_newline"))
+            ("vision.", "aligner.", "image_start", "image_end", "image_newline")) or (
+            name.startswith("mtp.") and not len(self.mtp))

@@ -16,6 +16,13 @@ def build_proposer(config: SpeculativeConfig | None, model: torch.nn.Module,
         return None
     if config.method == "dspark":
         from deepinfer.spec.dspark import DSparkProposer
+        from deepinfer.spec.dspark_v41 import V41DSparkProposer, has_own_dspark
+
+        if has_own_dspark(model):  # V4.1 ships its own DSpark head in the checkpoint (mtp.*)
+            if config.model is not None:
+                raise ValueError("DeepSeek-V4.1 drafts with its checkpoint's own DSpark head: drop "
+                                 "speculative_config['model']")
+            return V41DSparkProposer(model, config.num_speculative_tokens)
 
         path = config.model or (Path(model_path) / "dspark" if model_path is not None else None)
         if path is None:
