@@ -82,11 +82,13 @@ def _sweep(full: LLM, cut: LLM, keep: int, lengths: list[int], repeats: int, tok
         greedy = SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True)
         a, b = (llm.generate([{"prompt_token_ids": prompt}], greedy, use_tqdm=False)[0].outputs[0].token_ids
                 for llm in (full, cut))
-        row = {"keep_tokens": keep, "prompt_tokens": n, "full_s": min(times["full"]), "truncated_s": min(times["truncated"]),
-               "max_logprob_drift": drift, "greedy_agree": agreeing_tokens(a, b), "greedy_tokens": tokens}
+        row = {"keep_tokens": keep, "prompt_tokens": n, "full_s": min(times["full"]),
+               "truncated_s": min(times["truncated"]), "max_logprob_drift": drift,
+               "greedy_agree": agreeing_tokens(a, b), "greedy_tokens": tokens}
         row["speedup"] = row["full_s"] / row["truncated_s"]
-        print(f"  {name} K={keep} n={n}: full {row['full_s'] * 1e3:.0f} ms, truncated {row['truncated_s'] * 1e3:.0f} ms "
-              f"(x{row['speedup']:.2f}), drift {drift:.3g}, greedy agree {row['greedy_agree']}/{tokens}",
+        print(f"  {name} K={keep} n={n}: full {row['full_s'] * 1e3:.0f} ms, "
+              f"truncated {row['truncated_s'] * 1e3:.0f} ms (x{row['speedup']:.2f}), drift {drift:.3g}, "
+              f"greedy agree {row['greedy_agree']}/{tokens}",
               flush=True)
         rows.append(row)
     return rows

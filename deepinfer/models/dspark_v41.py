@@ -50,6 +50,7 @@ class DraftStep:
         self.from_ring = col < n_ring[:, None]
         self.block_col = (col - n_ring[:, None]).clamp(min=0, max=block - 1)  # block row read by a block column
         self.valid = self.from_ring | (col < (n_ring[:, None] + block))  # [R, C]
+        self.segments = list(range(0, last.numel() * block + 1, block))  # float32 GEMMs: one call per block
 
 
 class DSparkAttention(Attention):
