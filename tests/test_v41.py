@@ -16,6 +16,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 from safetensors.torch import load_file
 
 from deepinfer import LLM, SamplingParams
@@ -196,3 +197,82 @@ def test_engram_vocab_mismatch_is_a_clear_error(tmp_path):
     (path / "config.json").write_text(json.dumps(raw))
     with pytest.raises(CheckpointError, match="compressed Engram ids"):
         LLM(str(path), load_progress=False)
+
+
+# --- prefill truncation -----------------------------------------------------------------------------------
+def _late_rows(llm: LLM) -> list[int]:
+    """Rows the last layer sees per step (the first truncated layer is an earlier one)."""
+    layer, seen = llm.engine.model.layers[-1], []
+    forward = layer.forward
+    layer.forward = lambda streams, *a: seen.append(streams.shape[0]) or forward(streams, *a)
+    return seen
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_prefill_truncation_is_exact_within_its_bound(name):
+    """The last prompt token's window chain through the truncated layers reaches (late - 1)(W - 1) tokens back, so
+    keeping that many plus one is exact -- while the late layers really skip the rest of the prompt."""
+    cfg = ModelConfig.from_hf(GOLDEN / name)
+    start = cfg.compress_ratios.index(1)
+    keep = (cfg.num_layers - start - 1) * (cfg.sliding_window - 1) + 1
+    llm = _llm(name, prefill_truncation_tokens=keep, enable_prefix_caching=False, max_num_batched_tokens=512)
+    seen = _late_rows(llm)
+    _check(name, llm, [2])
+    assert seen[0] == keep < 101 and all(n == 1 for n in seen[1:])
+    assert llm.engine.model.truncate_from == start
+
+
+def test_prefill_truncation_shorter_than_its_bound_runs_and_skips():
+    llm = _llm("a", prefill_truncation_tokens=16, enable_prefix_caching=False, max_num_batched_tokens=13)
+    seen = _late_rows(llm)
+    g, _ = _golden("a")
+    out = llm.generate([{"prompt_token_ids": g["prompts"][2]}],
+                       SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 4
+    assert sum(seen[:-3]) == 16  # chunks of 13: the late layers saw only the prompt's last 16 tokens
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"prefill_truncation_tokens": 8}, "at least the window"),
+    ({"prefill_truncation_tokens": -1}, ">= 0"),
+])
+def test_prefill_truncation_options_are_checked(options, message):
+    with pytest.raises(ValueError, match=message):
+        _llm("a", **options)
+
+
+def test_prefill_truncation_refuses_prompt_logprobs():
+    llm = _llm("a", prefill_truncation_tokens=16)
+    with pytest.raises(ValueError, match="prompt_logprobs"):
+        llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(max_tokens=1, prompt_logprobs=1), use_tqdm=False)
+
+
+# --- KV cache ----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", CONFIGS)
+def test_packed_kv_cache_is_bit_identical_and_smaller(name):
+    """kv_cache_dtype fp8 stores the FP8 / FP4 QDQ points' codes and scales: the same values on read."""
+    llm = _llm(name, kv_cache_dtype="fp8", block_size=16, max_num_batched_tokens=13)
+    _check(name, llm, [0, 1, 2])
+    _check(name, llm, [2])  # a prefix hit over packed blocks
+    plain = _llm(name, block_size=16)
+    assert llm.engine.layout.bytes_per_block * 3 < plain.engine.layout.bytes_per_block
+
+
+@pytest.mark.parametrize("name, kv_dtype", [(n, k) for n in CONFIGS for k in ("auto", "fp8")])
+def test_analytic_footprint_equals_allocated(name, kv_dtype):
+    from deepinfer.engine.kv_accounting import footprint
+
+    llm = _llm(name, kv_cache_dtype=kv_dtype, block_size=16, kv_cache_memory_bytes=4 * 2**20)
+    fp = footprint(llm.engine.model_config, torch.bfloat16, kv_dtype)
+    assert fp.bytes_per_token == pytest.approx(llm.engine.layout.bytes_per_token)
+    assert fp.bytes_per_sequence == llm.engine.layout.bytes_per_slot
+
+
+def test_v41_flash_kv_bytes_per_token():
+    """V4.1-Flash: three ratio-2 sources and one ratio-1 source of 512-wide entries + 128-wide index keys:
+    3,200 B per token as bf16, 890 B packed (FP4 E2M1 + scales), against V4-Flash's 6,880 (test_kv_accounting)."""
+    from deepinfer.engine.kv_accounting import footprint
+
+    cfg = ModelConfig.from_dict(OFFICIAL)
+    assert footprint(cfg, torch.bfloat16).bytes_per_token == pytest.approx(3200)
+    assert footprint(cfg, torch.bfloat16, "fp8").bytes_per_token == pytest.approx(890)

@@ -175,6 +175,11 @@ def _mla_tensors(cfg: ModelConfig) -> list[Weights]:
 
 def weight_tensors(cfg: ModelConfig) -> tuple[Weights, ...]:
     """Every parameter of the engine's model, MTP layers included (kind "mtp", storage kept)."""
+    if cfg.is_v41:
+        from deepinfer.config import ConfigError
+
+        raise ConfigError("deployment planning does not cover DeepSeek-V4.1 yet (it runs on one device); its memory "
+                          "model is in docs/models.md")
     return tuple(_v4_tensors(cfg) if cfg.is_v4 else _mla_tensors(cfg))
 
 

@@ -28,6 +28,8 @@ def _entry_bytes(width: int, element: int, quantised: bool) -> int:
 def footprint(cfg: ModelConfig, dtype: torch.dtype, kv_cache_dtype: str = "auto") -> KVFootprint:
     from deepinfer.layers.kv_quant import is_quantised, storage_dtype
 
+    if cfg.is_v41:
+        return _v41_footprint(cfg, kv_cache_dtype == "fp8")
     paged = storage_dtype(kv_cache_dtype, dtype)
     element, quantised = torch.empty((), dtype=paged).element_size(), is_quantised(paged)
     if not cfg.is_v4:
@@ -59,3 +61,25 @@ def _v4_state_per_sequence(cfg: ModelConfig, dtype: torch.dtype) -> int:
         elif kind == HCA:
             total += ratio * 2 * cfg.head_dim * 4
     return total
+
+
+def _v41_row_bytes(width: int, fmt: str, packed: bool) -> int:
+    from deepinfer.layers.mx_quant import packed_shapes
+
+    return sum(packed_shapes(width, fmt)) if packed else 2 * width
+
+
+def _v41_footprint(cfg: ModelConfig, packed: bool) -> KVFootprint:
+    """V4.1: compressed entries + index keys only at the kv sources (1 per `ratio` tokens), bf16 or packed
+    (FP4 codes + scales); per request a window ring per layer, the ratio > 1 sources' float32 projection rings
+    and Engram's token ring."""
+    v41 = cfg.v41
+    per_token = sum((_v41_row_bytes(cfg.head_dim, "fp4_e4m3", packed) +
+                     _v41_row_bytes(cfg.index_head_dim, "fp4", packed)) / cfg.compress_ratios[s]
+                    for s in v41.kv_source_layers)
+    state = cfg.num_layers * cfg.sliding_window * _v41_row_bytes(cfg.head_dim, "fp8", packed)
+    state += sum(cfg.compress_ratios[s] * 2 * cfg.head_dim * 4 for s in v41.kv_source_layers
+                 if cfg.compress_ratios[s] > 1)
+    if v41.engram is not None:
+        state += v41.engram.max_ngram_size * 8
+    return KVFootprint(per_token, state)

@@ -77,3 +77,89 @@ def block_scaled_linear(x: torch.Tensor, weight: torch.Tensor, block: int = BLOC
     for start in range(0, k, block):
         acc += a[:, start:start + block] @ weight[:, start:start + block].T
     return acc.to(x.dtype).view(*x.shape[:-1], weight.shape[0])
+
+
+# --- packed storage: the codes and scales a QDQ point produces, decoded back bit for bit ------------------------
+_FORMATS = {"fp8": (BLOCK, 1), "fp4": (BLOCK, 2), "fp4_e4m3": (16, 2)}  # (block, values per byte)
+
+
+def encode(x: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(codes uint8 [..., d / values per byte], scales uint8 [..., d / block]) of bf16 `x` at QDQ point `fmt`:
+    fp8 (E4M3, UE8M0 per 32), fp4 (E2M1 pairs, low nibble first, UE8M0 per 32), fp4_e4m3 (E2M1, E4M3 per 16)."""
+    block, _ = _FORMATS[fmt]
+    groups = x.float().unflatten(-1, (-1, block))
+    amax = groups.abs().amax(dim=-1)
+    if fmt == "fp8":
+        scale = pow2_scale(amax.clamp_min(1e-4), _FP8_INV)
+        codes = e4m3(groups / scale.unsqueeze(-1)).flatten(-2).view(torch.uint8)
+        return codes, scale.to(torch.float8_e8m0fnu).view(torch.uint8)
+    if fmt == "fp4_e4m3":
+        scale8 = e4m3(amax.clamp_min(6 * 2.0**-9) / FP4_MAX)
+        scale, stored = scale8.float(), scale8.view(torch.uint8)
+    else:
+        scale = pow2_scale(amax.clamp_min(6 * 2.0**-126), _FP4_INV)
+        stored = scale.to(torch.float8_e8m0fnu).view(torch.uint8)
+    v = (groups / scale.unsqueeze(-1)).clamp(-FP4_MAX, FP4_MAX).flatten(-2)
+    mag = v.abs().unsqueeze(-1)
+    code = (mag > _MIDS).sum(-1) + ((mag == _MIDS) & _TIE_UP).sum(-1) + 8 * torch.signbit(v)
+    code = code.to(torch.uint8)
+    return code[..., 0::2] | (code[..., 1::2] << 4), stored
+
+
+_E2M1_SIGNED = torch.cat([_E2M1, -_E2M1])
+
+
+def decode(codes: torch.Tensor, scales: torch.Tensor, fmt: str) -> torch.Tensor:
+    """bf16 values of encode()'s output: exactly the QDQ point's result."""
+    block, _ = _FORMATS[fmt]
+    if fmt == "fp8":
+        values = codes.view(torch.float8_e4m3fn).float()
+        scale = scales.view(torch.float8_e8m0fnu).float()
+    else:
+        values = torch.stack([_E2M1_SIGNED[(codes & 0x0F).long()], _E2M1_SIGNED[(codes >> 4).long()]], -1).flatten(-2)
+        scale = scales.view(torch.float8_e4m3fn if fmt == "fp4_e4m3" else torch.float8_e8m0fnu).float()
+    return (values.unflatten(-1, (-1, block)) * scale.unsqueeze(-1)).flatten(-2).to(torch.bfloat16)
+
+
+def qdq(x: torch.Tensor, fmt: str) -> torch.Tensor:
+    """The QDQ point `fmt` applied to bf16 x (fp8_qdq / fp4_qdq by name)."""
+    if fmt == "fp8":
+        return fp8_qdq(x)
+    return fp4_qdq(x, _FORMATS[fmt][0], e4m3_scale=fmt == "fp4_e4m3")
+
+
+def packed_shapes(width: int, fmt: str) -> tuple[int, int]:
+    """(code bytes, scale bytes) per stored row of `width` values."""
+    block, per_byte = _FORMATS[fmt]
+    return width // per_byte, width // block
+
+
+class MXStore:
+    """Flat rows of one cache tensor holding values after QDQ point `fmt`: bf16 values (kv_cache_dtype auto) or
+    their codes + scales (fp8: 3.6x smaller for V4.1's compressed KV, bit-identical on read)."""
+
+    def __init__(self, cache: dict[str, torch.Tensor], name: str, width: int, fmt: str):
+        self.fmt, self.width = fmt, width
+        scales = cache.get(f"{name}_scale")
+        self.data = cache[name].view(-1, cache[name].shape[-1])
+        self.scales = None if scales is None else scales.view(-1, scales.shape[-1])
+
+    def encode(self, x: torch.Tensor):
+        """What write stores for QDQ-less bf16 values x, and their QDQ'd bf16 (used by this step)."""
+        if self.scales is None:
+            y = qdq(x, self.fmt)
+            return y, y
+        codes, scales = encode(x, self.fmt)
+        return (codes, scales), decode(codes, scales, self.fmt)
+
+    def write(self, rows: torch.Tensor, stored, src: torch.Tensor | None = None) -> None:
+        pick = (lambda t: t) if src is None else (lambda t: t[src])
+        if self.scales is None:
+            self.data[rows] = pick(stored)
+        else:
+            self.data[rows], self.scales[rows] = pick(stored[0]), pick(stored[1])
+
+    def read(self, rows: torch.Tensor) -> torch.Tensor:
+        if self.scales is None:
+            return self.data[rows]
+        return decode(self.data[rows], self.scales[rows], self.fmt)

@@ -17,6 +17,7 @@ a float32 ring of [wkv | wgate] projections; the model an int64 ring of compress
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -27,9 +28,8 @@ from torch import nn
 from deepinfer.config import ModelConfig
 from deepinfer.distributed.model_parallel import ModelParallel
 from deepinfer.layers.attention import blocked_sink_attention
-from deepinfer.layers.kv_quant import PagedPool
 from deepinfer.layers.metadata import CacheTensorSpec, ForwardMeta
-from deepinfer.layers.mx_quant import block_scaled_linear, fp4_qdq, fp8_qdq
+from deepinfer.layers.mx_quant import MXStore, block_scaled_linear, fp4_qdq, packed_shapes
 from deepinfer.layers.norm import RMSNorm
 from deepinfer.layers.rotary import complex_rotations, rotate_tail_complex
 from deepinfer.models.engram import EngramTable, NgramHasher, compressed_token_map
@@ -82,6 +82,15 @@ def per_request_linear(x: torch.Tensor, weight: torch.Tensor, bounds: list[int])
     if len(bounds) <= 2:
         return F.linear(x, weight)
     return torch.cat([F.linear(x[a:b], weight) for a, b in zip(bounds[:-1], bounds[1:])])
+
+
+def _stored(name: str, kind: str, rows: int, width: int, fmt: str, packed: bool) -> list[CacheTensorSpec]:
+    """Cache tensors of `rows` values of `width` after QDQ point `fmt`: bf16, or packed codes + scales."""
+    if not packed:
+        return [CacheTensorSpec(name, kind, (rows, width), torch.bfloat16)]
+    codes, scales = packed_shapes(width, fmt)
+    return [CacheTensorSpec(name, kind, (rows, codes), torch.uint8),
+            CacheTensorSpec(f"{name}_scale", kind, (rows, scales), torch.uint8)]
 
 
 def _linear(in_features: int, out_features: int, dtype: torch.dtype) -> nn.Linear:
@@ -176,10 +185,10 @@ class Indexer(nn.Module):
         self.blocks = (v41.candidate_topk_blocks, v41.candidate_block_size)
 
     def keys(self, latents: torch.Tensor, rot: torch.Tensor) -> torch.Tensor:
-        """Index keys of new latents (before their RoPE), FP4-QDQ'd."""
-        return fp4_qdq(rotate_tail_complex(self.k_norm(self.wk(latents)), rot))
+        """Index keys of new latents (before their RoPE) before their FP4 QDQ point (the store applies it)."""
+        return rotate_tail_complex(self.k_norm(self.wk(latents)), rot)
 
-    def select(self, x: torch.Tensor, qr: torch.Tensor, ctx: Step, keys: PagedPool, ratio: int,
+    def select(self, x: torch.Tensor, qr: torch.Tensor, ctx: Step, keys: MXStore, ratio: int,
                role: str) -> tuple[torch.Tensor, torch.Tensor]:
         """Picked entries [T, K] (entry order, invalid last) and validity; role: plain | candidate_source |
         uses_candidates (mask own scores to the candidate source's blocks)."""
@@ -194,7 +203,7 @@ class Indexer(nn.Module):
         valid = torch.cat([F.pad(v, (0, width - v.shape[1])) for _, v in picks]) if picks else None
         return entries, valid
 
-    def _request(self, q, weights, keys: PagedPool, meta: ForwardMeta, r: int, ratio: int, role: str, ctx: Step):
+    def _request(self, q, weights, keys: MXStore, meta: ForwardMeta, r: int, ratio: int, role: str, ctx: Step):
         n_entries = meta.seq_lens[r] // ratio
         positions = meta.positions[meta.query_start[r]:meta.query_start[r + 1]]
         visible = ((positions + 1) // ratio)[:, None]
@@ -245,15 +254,15 @@ class Attention(nn.Module):
                          "uses_candidates" if v41.uses_candidates(layer) else "plain")
         self.cache: dict[str, torch.Tensor] = {}
 
-    def cache_spec(self, prefix: str, cfg: ModelConfig, block_size: int, lookahead: int) -> list[CacheTensorSpec]:
-        specs = [CacheTensorSpec(f"{prefix}.window", "state", (cfg.sliding_window + lookahead, self.head_dim),
-                                 torch.bfloat16)]
+    def cache_spec(self, prefix: str, cfg: ModelConfig, block_size: int, lookahead: int,
+                   packed: bool) -> list[CacheTensorSpec]:
+        """The window ring, and at a kv source the paged entries / index keys (and the ratio > 1 projection
+        ring); `packed` stores QDQ'd values as their codes and scales (mx_quant.MXStore), else as bf16."""
+        specs = _stored(f"{prefix}.window", "state", cfg.sliding_window + lookahead, self.head_dim, "fp8", packed)
         if self.is_kv_source:
             per_block = block_size // self.ratio
-            specs += [CacheTensorSpec(f"{prefix}.compressor.entries", "paged", (per_block, self.head_dim),
-                                      torch.bfloat16),
-                      CacheTensorSpec(f"{prefix}.indexer.keys", "paged", (per_block, cfg.index_head_dim),
-                                      torch.bfloat16)]
+            specs += _stored(f"{prefix}.compressor.entries", "paged", per_block, self.head_dim, "fp4_e4m3", packed)
+            specs += _stored(f"{prefix}.indexer.keys", "paged", per_block, cfg.index_head_dim, "fp4", packed)
             if self.ratio > 1:
                 specs.append(CacheTensorSpec(f"{prefix}.compressor.ring", "state",
                                              (self.ratio + lookahead, 2 * self.head_dim), torch.float32))
@@ -275,10 +284,10 @@ class Attention(nn.Module):
 
     def _window(self, x: torch.Tensor, ctx: Step) -> torch.Tensor:
         """This step's window keys [T, W, d] per query; writes the rows' FP8-QDQ'd KV into the ring."""
-        kv = fp8_qdq(rotate_tail_complex(self.kv_norm(self.wkv(x)), ctx.rot[self.rope]))
-        ring = self.cache["window"].view(-1, self.head_dim)
-        keys = ctx.window.source.gather(ring, kv, ctx.window.rows)
-        ctx.window.source.write(ring, kv)
+        ring, src = MXStore(self.cache, "window", self.head_dim, "fp8"), ctx.window.source
+        stored, kv = ring.encode(rotate_tail_complex(self.kv_norm(self.wkv(x)), ctx.rot[self.rope]))
+        keys = torch.cat([ring.read(src.ring_rows), kv])[ctx.window.rows]
+        ring.write(src.write_dst, stored, src.write_src)
         return keys
 
     def _attend(self, x: torch.Tensor, ctx: Step, win_keys: torch.Tensor, columns: WindowColumns) -> torch.Tensor:
@@ -295,11 +304,11 @@ class Attention(nn.Module):
         grouped = torch.einsum("bsgd,grd->bsgr", grouped, self.wo_a.weight.view(self.groups, self.o_rank, -1))
         return self.wo_b(grouped.flatten(2)[0])
 
-    def _pools(self, ctx: Step) -> tuple[PagedPool, PagedPool]:
+    def _pools(self, ctx: Step) -> tuple[MXStore, MXStore]:
         """(compressed entries, index keys) of this layer's kv source."""
         src = ctx.model.layers[self.kv_source].attn
-        return (PagedPool.of(src.cache, "compressor.entries", self.head_dim, torch.bfloat16),
-                PagedPool.of(src.cache, "indexer.keys", src.indexer.head_dim, torch.bfloat16))
+        return (MXStore(src.cache, "compressor.entries", self.head_dim, "fp4_e4m3"),
+                MXStore(src.cache, "indexer.keys", src.indexer.head_dim, "fp4"))
 
     def _compressed(self, x: torch.Tensor, qr: torch.Tensor, ctx: Step):
         entries, keys = self._pools(ctx)
@@ -316,8 +325,8 @@ class Attention(nn.Module):
             return
         rot = ctx.model.rotations("compress", entry * self.ratio)
         rows = ctx.meta.slots_of(req, entry, ratio=self.ratio)
-        keys.write(rows, self.indexer.keys(latents, rot))
-        entries.write(rows, fp4_qdq(rotate_tail_complex(latents, rot), 16, e4m3_scale=True))
+        keys.write(rows, keys.encode(self.indexer.keys(latents, rot))[0])
+        entries.write(rows, entries.encode(rotate_tail_complex(latents, rot))[0])
 
 
 class Gate(nn.Module):
@@ -523,6 +532,9 @@ class DeepseekV41ForCausalLM(nn.Module):
     # --- Engram ----------------------------------------------------------------------------------------
     def attach_checkpoint(self, path: str | Path) -> None:
         """Engram's token map (from the checkpoint's tokenizer.json) and its tables (memory-mapped)."""
+        if self.config.v41.has_vision:
+            logging.getLogger("deepinfer").info("DeepSeek-V4.1 vision tower (vision.*, aligner.*) not loaded: this "
+                                                "engine serves V4.1 text only for now (image inputs are refused)")
         engram = self.config.v41.engram
         if engram is None:
             return
@@ -568,11 +580,12 @@ class DeepseekV41ForCausalLM(nn.Module):
     def kv_cache_spec(self, block_size: int, include_mtp: bool = False) -> list[CacheTensorSpec]:
         if block_size % 2 or any(block_size % r for r in set(self.config.compress_ratios) - {0}):
             raise ValueError(f"block_size {block_size} must be a multiple of every compress ratio")
-        if self.kv_cache_dtype != "auto":
-            raise ValueError("DeepSeek-V4.1 keeps its caches as FP8 / FP4-QDQ'd bf16 values: kv_cache_dtype auto only")
-        look = self.num_lookahead_tokens
+        if self.kv_cache_dtype not in ("auto", "fp8"):
+            raise ValueError("DeepSeek-V4.1 caches hold FP8 / FP4 values: kv_cache_dtype auto (as bf16) or fp8 "
+                             f"(packed codes and scales, bit-identical), not {self.kv_cache_dtype!r}")
+        look, packed = self.num_lookahead_tokens, self.kv_cache_dtype == "fp8"
         specs = [s for i, layer in enumerate(self.layers)
-                 for s in layer.attn.cache_spec(f"layers.{i}", self.config, block_size, look)]
+                 for s in layer.attn.cache_spec(f"layers.{i}", self.config, block_size, look, packed)]
         if self.has_engram:
             specs.append(CacheTensorSpec("engram.tokens", "state", (self.config.v41.engram.max_ngram_size + look,),
                                          torch.long))
