@@ -102,6 +102,18 @@ def test_prefix_hit_with_bounded_replay_matches(name):
     assert llm.engine.kv.prefix_hits - hits >= 96  # the 101-token prompt's six full blocks
 
 
+@pytest.mark.parametrize("name", CONFIGS)
+def test_async_scheduling_gives_the_reference_tokens(name):
+    g, _ = _golden(name)
+    llm = _llm(name, async_scheduling=True)
+    try:
+        outs = llm.generate([{"prompt_token_ids": p} for p in g["prompts"]],
+                            SamplingParams(max_tokens=12, temperature=0, ignore_eos=True), use_tqdm=False)
+    finally:
+        llm.shutdown()
+    assert [o.outputs[0].token_ids for o in outs] == g["tracks"]["fixed"]["tokens"]
+
+
 def test_two_level_indexer_and_engram_are_exercised():
     """The goldens' long prompts make the candidate blocks select (more entries than blocks x block size) and
     Engram runs at two layers, so the parity above covers both."""
@@ -276,3 +288,21 @@ def test_v41_flash_kv_bytes_per_token():
     cfg = ModelConfig.from_dict(OFFICIAL)
     assert footprint(cfg, torch.bfloat16).bytes_per_token == pytest.approx(3200)
     assert footprint(cfg, torch.bfloat16, "fp8").bytes_per_token == pytest.approx(890)
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_checkpoint_bytes_model_matches_the_checkpoint(name):
+    """models/v41_memory.py (docs/models.md's memory model) against the bytes the goldens' checkpoints hold."""
+    import struct
+
+    from deepinfer.models.v41_memory import checkpoint_bytes
+
+    raw = (GOLDEN / name / "model.safetensors").read_bytes()
+    header = json.loads(raw[8:8 + struct.unpack("<Q", raw[:8])[0]])
+    found = {"backbone": 0, "engram_tables": 0, "dspark": 0}
+    for tensor, entry in header.items():
+        if tensor != "__metadata__":
+            kind = ("engram_tables" if ".engram.embed." in tensor else
+                    "dspark" if tensor.startswith("mtp.") else "backbone")
+            found[kind] += entry["data_offsets"][1] - entry["data_offsets"][0]
+    assert checkpoint_bytes(ModelConfig.from_hf(GOLDEN / name)) == found

@@ -168,3 +168,17 @@ def test_backbone_is_lossless_under_rejected_drafts(monkeypatch):
     monkeypatch.setattr(core, "build_proposer", lambda *a, **k: _Rejected())
     out, _ = _run("a", {"method": "ngram", "num_speculative_tokens": 2}, prompts, params, True)
     assert out == base
+
+
+def test_confidence_scheduled_verify_length_is_lossless():
+    """verify_policy adaptive: the DSpark confidence head's probabilities set each request's verify length."""
+    g = json.loads((GOLDEN / "b" / "golden.json").read_text())
+    prompts = [{"prompt_token_ids": p} for p in g["prompts"]]
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    spec = {"method": "dspark", "num_speculative_tokens": 3, "verify_policy": "adaptive"}
+    base, _ = _run("b", None, prompts, params, True)
+    llm = LLM(model=str(GOLDEN / "b"), max_num_seqs=4, load_progress=False, speculative_config=spec)  # calibrates 1-4
+    try:
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == base
+    finally:
+        llm.shutdown()
