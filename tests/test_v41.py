@@ -94,15 +94,20 @@ def test_preemption_and_recompute_match(name):
 
 
 @pytest.mark.parametrize("name", CONFIGS)
-def test_prefix_hit_with_bounded_replay_matches(name):
-    llm = _llm(name, block_size=16, enable_prefix_caching=True)
-    _check(name, llm, [2])
+@pytest.mark.parametrize("restore", ["replay", "snapshot"])
+def test_prefix_hit_matches(name, restore):
+    """A hit rebuilds the window rings by bounded replay, or restores them from the snapshot a step left at the
+    block boundary (warm-up: exactly the first 96 tokens of the 101-token prompt)."""
+    g, _ = _golden(name)
+    llm = _llm(name, block_size=16, enable_prefix_caching=True, swa_restore=restore)
+    warm = g["prompts"][2] if restore == "replay" else g["prompts"][2][:96]
+    llm.generate([{"prompt_token_ids": warm}], SamplingParams(max_tokens=1), use_tqdm=False)
     hits = llm.engine.kv.prefix_hits
     _check(name, llm, [2, 1])
-    assert llm.engine.kv.prefix_hits - hits >= 96  # the 101-token prompt's six full blocks
+    assert llm.engine.kv.prefix_hits - hits == 96  # the 101-token prompt's six full blocks
+    assert llm.engine.scheduler.num_snapshot_restores == (restore == "snapshot")
 
 
-@pytest.mark.parametrize("name", CONFIGS)
 def test_async_scheduling_gives_the_reference_tokens(name):
     g, _ = _golden(name)
     llm = _llm(name, async_scheduling=True)
@@ -306,3 +311,18 @@ def test_checkpoint_bytes_model_matches_the_checkpoint(name):
                     "dspark" if tensor.startswith("mtp.") else "backbone")
             found[kind] += entry["data_offsets"][1] - entry["data_offsets"][0]
     assert checkpoint_bytes(ModelConfig.from_hf(GOLDEN / name)) == found
+
+
+def test_engram_tables_are_memory_mapped_and_rows_exact():
+    """The tables stay FP8 in a private map of the checkpoint file (not parameters, not copied); a lookup
+    dequantises just the rows asked for, exactly as value * 2^scale per 32."""
+    llm = _llm("a")
+    model = llm.engine.model
+    assert not any("engram.embed" in n for n, _ in model.named_parameters())
+    full = load_file(str(GOLDEN / "a" / "model.safetensors"))
+    for layer, table in model.engram_tables.items():
+        assert table.weight.dtype == torch.float8_e4m3fn
+        ids = torch.randint(0, table.num_rows, (5, 3))
+        w, s = full[f"layers.{layer}.engram.embed.weight"], full[f"layers.{layer}.engram.embed.scale"]
+        expect = (w[ids].float().unflatten(-1, (-1, 32)) * s[ids].float().unsqueeze(-1)).flatten(-2).bfloat16()
+        assert torch.equal(table.rows(ids), expect)
