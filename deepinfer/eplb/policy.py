@@ -258,8 +258,9 @@ def load_placement(path: str | Path, num_gpus: int | None = None, num_logical: i
     if data.get("version") != VERSION:
         raise ValueError(f"{path}: unsupported placement version {data.get('version')!r} (expected {VERSION})")
     rows = data.get("phy2log")
-    if not isinstance(rows, list) or not all(isinstance(r, list) and all(type(e) is int for e in r) for r in rows):
-        raise ValueError(f"{path}: \"phy2log\" must be a list of lists of integer expert ids")
+    if not isinstance(rows, list) or not rows or not all(isinstance(r, list) and all(type(e) is int for e in r)
+                                                        for r in rows):
+        raise ValueError(f"{path}: \"phy2log\" must be a non-empty list of lists of integer expert ids")
     if len({len(r) for r in rows}) > 1:
         raise ValueError(f"{path}: layers have different slot counts {sorted({len(r) for r in rows})}")
     phy2log = torch.tensor(rows, dtype=torch.int64).reshape(len(rows), -1)
