@@ -258,6 +258,9 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     _add_generate_parser(commands)
     _add_chat_parser(commands)
     _add_serve_parser(commands)
+    from deepinfer.eplb.cli import add_parser as add_eplb_parser  # torch only: cheap next to the rest
+
+    add_eplb_parser(commands)
     wants_bench = argv is not None and "bench" in argv
     (_add_bench_parser if wants_bench else _add_bench_placeholder)(commands)
     return parser

@@ -549,6 +549,9 @@ class EngineArgs:
     # DeepSeek-V4.1 prefill truncation: from the first ratio-1 layer on, a prompt computes only its last K tokens
     # (DeepSeek's engine: 140). 0: off. Exact for prompts of at most K tokens; see docs/models.md.
     prefill_truncation_tokens: int = 0
+    # Expert-parallel load statistics (eplb/stats.py): tokens routed to each expert over this many steps, summed
+    # over the ranks for the balancedness metrics and `deepinfer eplb`. 0: not recorded.
+    eplb_window_size: int = 1000
 
     def __post_init__(self):
         _ = self.parallel  # validates the sizes
@@ -567,6 +570,8 @@ class EngineArgs:
         if SpeculativeConfig.parse(self.speculative_config) is not None and self.deterministic:
             raise ValueError("speculative decoding cannot be combined with deterministic mode (verification "
                              "steps batch several tokens of a request, which deterministic mode rules out)")
+        if self.eplb_window_size < 0:
+            raise ValueError(f"eplb_window_size must be >= 0, got {self.eplb_window_size}")
         if self.prefill_truncation_tokens < 0:
             raise ValueError(f"prefill_truncation_tokens must be >= 0, got {self.prefill_truncation_tokens}")
         if self.swa_restore not in ("replay", "snapshot", "auto"):

@@ -61,6 +61,12 @@ class LLM:
         interpreter exit); idempotent."""
         self.engine.shutdown()
 
+    def expert_load(self):
+        """[MoE layers, experts] tokens routed over the last `eplb_window_size` steps, summed over the ranks
+        (expert parallelism only; None otherwise). `eplb.stats.save_expert_load` writes it for `deepinfer eplb`."""
+        executor = getattr(self.engine, "executor", None)
+        return None if executor is None else executor.expert_load()
+
     def __enter__(self) -> LLM:
         return self
 

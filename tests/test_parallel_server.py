@@ -55,6 +55,9 @@ def test_completions_match_one_process(server, ckpt):
     for rank in (0, 1):
         assert f'deepinfer:rank_steps_total{{dp_rank="{rank}",rank="{rank}",tp_rank="0"}}' in metrics
         assert f'deepinfer:replica_num_requests_running{{dp_rank="{rank}"}}' in metrics
+    balance = [line for line in metrics.splitlines() if line.startswith("deepinfer:eplb_balancedness ")]
+    assert balance and 0 < float(balance[0].split()[1]) <= 1  # the EP stats window reached /metrics
+    assert 'deepinfer:eplb_balancedness_per_layer{layer="0"}' in metrics
 
 
 def test_killed_rank_fails_requests_and_the_server_exits(server):

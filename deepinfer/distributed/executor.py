@@ -206,6 +206,22 @@ class Executor:
         self._pending.clear()
         raise error
 
+    def expert_load(self, stats: list[RankStats] | None = None):
+        """[MoE layers, experts] tokens routed over the ranks' stats window (None without EP statistics)."""
+        from deepinfer.eplb.stats import summed_load
+
+        return summed_load(stats if stats is not None else self.rank_stats())
+
+    def expert_balancedness(self, stats: list[RankStats] | None = None) -> list[float]:
+        """Per MoE layer, mean / max tokens per EP rank under the current (contiguous) placement; [] without EP."""
+        from deepinfer.distributed.moe_comm import place_experts
+        from deepinfer.eplb.stats import layer_balancedness
+
+        load = self.expert_load(stats)
+        if load is None:
+            return []
+        return layer_balancedness(load, place_experts(load.shape[1], len(self.layout.ep_group)).starts)
+
     def rank_stats(self) -> list[RankStats]:
         """Every rank's RankStats, in rank order (answered after the steps already sent to it)."""
         if self.dead is not None:

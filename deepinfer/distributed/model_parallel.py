@@ -38,6 +38,7 @@ from deepinfer.distributed.moe_comm import (
     place_experts,
 )
 from deepinfer.distributed.tp import TPRank, all_reduce
+from deepinfer.eplb.stats import ExpertLoad
 from deepinfer.layers.moe import routed_experts
 
 COMM_KINDS = {"allgather": AllGatherComm, "alltoall": AllToAllComm}
@@ -61,20 +62,26 @@ class ModelParallel:
         self._comms: dict[int, MoEComm] = {}
         self._lane = threading.local()
         self._experts: list[ParallelExperts] = []  # by tag
+        self.load_window, self.load = 0, None  # eplb.stats.ExpertLoad, created by the first recorded call
+        self._load_lock = threading.Lock()  # two-batch overlap records from two threads
 
     @classmethod
     def single(cls) -> ModelParallel:
         return cls()
 
     @classmethod
-    def from_groups(cls, groups: ParallelGroups, num_experts: int, comm_kind: str = "allgather") -> ModelParallel:
-        """This rank's handle in a world whose groups backend.build_groups made (collective-free)."""
+    def from_groups(cls, groups: ParallelGroups, num_experts: int, comm_kind: str = "allgather",
+                    load_window: int = 0) -> ModelParallel:
+        """This rank's handle in a world whose groups backend.build_groups made (collective-free); with EP and
+        load_window > 0 it records the expert load of its tokens over that many steps (eplb.stats)."""
         layout, rank = groups.layout, groups.rank
         placement = None
         if layout.ep_group is not None:
             placement = place_experts(num_experts, len(layout.ep_group))
-        return cls(layout.tp_rank(rank), layout.parallel.tensor_parallel_size, groups.tp, placement,
-                   layout.ep_rank(rank) or 0, groups.ep, comm_kind, groups.ep_lanes)
+        mp = cls(layout.tp_rank(rank), layout.parallel.tensor_parallel_size, groups.tp, placement,
+                 layout.ep_rank(rank) or 0, groups.ep, comm_kind, groups.ep_lanes)
+        mp.load_window = load_window if placement is not None else 0
+        return mp
 
     @property
     def is_single(self) -> bool:
@@ -119,13 +126,26 @@ class ModelParallel:
         self._experts.append(experts)
         return len(self._experts) - 1
 
+    def record_load(self, tag: int, expert_ids: torch.Tensor) -> None:
+        """Count the routing of this rank's own tokens in MoE layer `tag` (a no-op without a load window)."""
+        if not self.load_window:
+            return
+        with self._load_lock:
+            if self.load is None:
+                self.load = ExpertLoad(len(self._experts), self.placement.num_experts, self.load_window,
+                                       expert_ids.device)
+            self.load.record(tag, expert_ids)
+
     def finish_step(self) -> int:
         """End of a step (collective over this lane's EP group): join peers' remaining MoE calls. Returns the
         rounds joined; 0 without EP (TP-only ranks never wait on another replica)."""
         if self.placement is None or not self._experts:
             return 0
         first = self._experts[0]
-        return self.comm.drain(self._drained_round, first.dim, first.topk, first.w13.dtype, first.w13.device)
+        joined = self.comm.drain(self._drained_round, first.dim, first.topk, first.w13.dtype, first.w13.device)
+        if self.load is not None and self.lane == 0:  # every rank ends every step here: one shared step count
+            self.load.end_step()
+        return joined
 
     def _drained_round(self, work: LocalWork) -> torch.Tensor:
         return self._experts[work.tag].local_outputs(work)
@@ -162,6 +182,7 @@ class ParallelExperts(nn.Module):
             out = routed_experts(x, topk_ids, topk_weights, self.w13, self.w2, self.limit)
             return all_reduce(out, mp.tp_group) if mp.tp.size > 1 else out
         rows = token_block(x.shape[0], mp.tp)
+        mp.record_load(self.tag, topk_ids[rows])
         work = mp.comm.dispatch(x[rows], topk_ids[rows], topk_weights[rows], self.tag)
         mine = mp.comm.combine(work, self.local_outputs(work))
         return gather_rows(mine, x.shape[0], mp.tp, mp.tp_group) if mp.tp.size > 1 else mine

@@ -74,6 +74,7 @@ class RankStats:
     peak_rss_bytes: int  # the process's peak resident set
     moe_payload_bytes: int  # bytes expert-parallel collectives delivered to this rank so far
     steps: int
+    expert_load: list | None = None  # [MoE layers][experts] tokens this rank routed over the window (EP only)
 
 
 def run_rank(rank: int, layout: RankLayout, spec: WorkerSpec) -> None:
@@ -102,7 +103,7 @@ class RankWorker:
         torch.manual_seed(args.seed)  # TP peers draw the same unseeded samples
         config = ModelConfig.from_hf(spec.model_path)
         dtype = model_dtype(args.dtype, config, self.device.type)
-        parallel = ModelParallel.from_groups(groups, config.n_routed_experts or 1, args.moe_comm)
+        parallel = ModelParallel.from_groups(groups, config.n_routed_experts or 1, args.moe_comm, args.eplb_window_size)
         progress = args.load_progress and self.rank == 0
         self.model = load_model(spec.model_path, config, dtype, self.device, progress, parallel)
         prepare_model(self.model, args)
@@ -175,8 +176,9 @@ class RankWorker:
         tensors = list(self.model.parameters()) + list(self.model.buffers())
         experts = [p for name, p in self.model.named_parameters() if name.endswith((".experts.w13", ".experts.w2"))]
         moe = self.parallel.moe_payload_bytes
+        load = self.parallel.load
         return RankStats(self.rank, self.dp_rank, self.tp_rank, _nbytes(tensors), _nbytes(experts),
-                         peak_rss_bytes(), moe, self.steps)
+                         peak_rss_bytes(), moe, self.steps, None if load is None else load.totals().tolist())
 
     def execute(self, plan: ReplicaPlan, pending_mask: Future | None = None):
         """Run this replica's plan (None when idle), then join the step's remaining EP rounds (with two-batch

@@ -218,7 +218,7 @@ class EngineLoop:
                            sum(s.num_drafts for s in specs), sum(s.num_draft_tokens for s in specs),
                            sum(s.num_accepted_tokens for s in specs), accepted,
                            [_replica_metrics(d, c) for d, c in enumerate(cores)] if len(cores) > 1 else [],
-                           _rank_metrics(self.core))
+                           *_rank_metrics(self.core))
 
 
 def _replica_metrics(d: int, core: EngineCore) -> ReplicaMetrics:
@@ -226,13 +226,15 @@ def _replica_metrics(d: int, core: EngineCore) -> ReplicaMetrics:
     return ReplicaMetrics(d, len(sched.running), len(sched.waiting), core.kv.usage())
 
 
-def _rank_metrics(core) -> list[RankMetrics]:
-    """Asked of the ranks between steps (one round trip per stats report)."""
+def _rank_metrics(core) -> tuple[list[RankMetrics], list[float]]:
+    """(per rank metrics, per MoE layer EP balancedness), asked of the ranks between steps (one round trip)."""
     executor = core.executor
     if executor is None:
-        return []
-    return [RankMetrics(s.rank, s.dp_rank, s.tp_rank, s.param_bytes, s.expert_param_bytes, s.peak_rss_bytes,
-                        s.moe_payload_bytes, s.steps) for s in executor.rank_stats()]
+        return [], []
+    stats = executor.rank_stats()
+    ranks = [RankMetrics(s.rank, s.dp_rank, s.tp_rank, s.param_bytes, s.expert_param_bytes, s.peak_rss_bytes,
+                         s.moe_payload_bytes, s.steps) for s in stats]
+    return ranks, executor.expert_balancedness(stats)
 
 
 def replicas(core) -> list[EngineCore]:

@@ -129,6 +129,7 @@ class EngineStats(_Msg):
     spec_accepted_per_pos: list[int] = []  # accepted drafts by position
     replicas: list[ReplicaMetrics] = []  # per DP replica (one entry per replica when data_parallel_size > 1)
     ranks: list[RankMetrics] = []  # per rank, multi-rank engines only
+    eplb_balancedness: list[float] = []  # per MoE layer: mean / max tokens per EP rank over the stats window
 
 
 class EngineOutputs(_Msg):

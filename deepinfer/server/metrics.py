@@ -55,6 +55,7 @@ class _EngineStatsCollector:
         yield _accepted_per_position(s)
         yield from _per_replica(getattr(s, "replicas", None) or [])
         yield from _per_rank(getattr(s, "ranks", None) or [])
+        yield from _eplb(getattr(s, "eplb_balancedness", None) or [])
 
 
 def _per_replica(replicas) -> Iterator[Metric]:
@@ -84,6 +85,19 @@ def _per_rank(ranks) -> Iterator[Metric]:
             for r in ranks:
                 family.add_metric([str(r.rank), str(r.dp_rank), str(r.tp_rank)], getattr(r, attr))
             yield family
+
+
+def _eplb(per_layer: list[float]) -> Iterator[Metric]:
+    """Expert-parallel balance over the stats window: mean / max tokens per EP rank, per MoE layer and averaged."""
+    if not per_layer:
+        return
+    layers = GaugeMetricFamily(PREFIX + "eplb_balancedness_per_layer", "mean / max tokens per expert-parallel rank "
+                               "of the MoE layer, over the expert-load window", labels=["layer"])
+    for layer, value in enumerate(per_layer):
+        layers.add_metric([str(layer)], value)
+    yield layers
+    yield GaugeMetricFamily(PREFIX + "eplb_balancedness", "mean over MoE layers of mean / max tokens per "
+                            "expert-parallel rank, over the expert-load window", value=sum(per_layer) / len(per_layer))
 
 
 def _accepted_per_position(s) -> Metric:
