@@ -1,5 +1,6 @@
-"""Expert-parallel load balancing (EPLB): the placement policy as pure functions (policy.py). The engine does not
-use it yet: no load statistics, redundant experts or live rebalancing are wired in."""
+"""Expert-parallel load balancing (EPLB): the placement policy as pure functions (policy.py), expert-load
+statistics (stats.py), `deepinfer eplb` (cli.py). Serving with a computed placement, redundant experts and live
+rebalancing are not wired in yet (docs/eplb.md)."""
 
 from deepinfer.eplb.policy import (
     Topology,
