@@ -535,32 +535,39 @@ class DeepseekV41ForCausalLM(nn.Module):
         if self.config.v41.has_vision:
             logging.getLogger("deepinfer").info("DeepSeek-V4.1 vision tower (vision.*, aligner.*) not loaded: this "
                                                 "engine serves V4.1 text only for now (image inputs are refused)")
-        engram = self.config.v41.engram
-        if engram is None:
-            return
+        if self.config.v41.engram is not None:
+            self.hasher = NgramHasher(self.config.v41.engram, self._token_map(Path(path)))
+            self.engram_tables = self._open_tables(Path(path))
+
+    def _token_map(self, root: Path) -> torch.Tensor:
         from tokenizers import Tokenizer
 
-        from deepinfer.models.loader import CheckpointError, tensor_files
+        from deepinfer.models.loader import CheckpointError
 
-        root = Path(path)
         if not (root / "tokenizer.json").is_file():
             raise CheckpointError(f"{root}: Engram needs the checkpoint's tokenizer.json (its hashes use a "
                                   "tokenizer-derived token map)")
-        tokenizer = Tokenizer.from_file(str(root / "tokenizer.json"))
-        token_map, size = compressed_token_map(tokenizer, self.config.vocab_size)
-        if size != engram.compressed_vocab_size:
+        token_map, size = compressed_token_map(Tokenizer.from_file(str(root / "tokenizer.json")),
+                                               self.config.vocab_size)
+        if size != self.config.v41.engram.compressed_vocab_size:
             raise CheckpointError(f"{root}: tokenizer.json gives {size} compressed Engram ids, the config says "
-                                  f"engram_compressed_vocab_size {engram.compressed_vocab_size}")
-        self.hasher = NgramHasher(engram, token_map)
-        files = tensor_files(root)
-        for i, layer in zip(engram.layer_ids, self.hasher.table_rows):
+                                  f"engram_compressed_vocab_size {self.config.v41.engram.compressed_vocab_size}")
+        return token_map
+
+    def _open_tables(self, root: Path) -> dict[int, EngramTable]:
+        """Each Engram layer's table, with at least the rows its hash layout addresses."""
+        from deepinfer.models.loader import CheckpointError, tensor_files
+
+        files, tables = tensor_files(root), {}
+        for i, rows in zip(self.config.v41.engram.layer_ids, self.hasher.table_rows):
             name = f"layers.{i}.engram.embed"
             if f"{name}.weight" not in files:
                 raise CheckpointError(f"{root}: Engram table {name}.weight is missing")
-            table = EngramTable.open(files[f"{name}.weight"], name)
-            if table.num_rows < layer:
-                raise CheckpointError(f"{root}: {name}.weight has {table.num_rows} rows; the hash layout needs {layer}")
-            self.engram_tables[i] = table
+            tables[i] = EngramTable.open(files[f"{name}.weight"], name)
+            if tables[i].num_rows < rows:
+                raise CheckpointError(f"{root}: {name}.weight has {tables[i].num_rows} rows; its hash layout "
+                                      f"needs {rows}")
+        return tables
 
     def engram_rows(self, meta: ForwardMeta) -> dict[int, torch.Tensor]:
         """Per Engram layer, bf16 [T, columns, head_dim]: the rows of this step's tokens, gathered up front."""
