@@ -61,27 +61,41 @@ class QLinear(nn.Module):
         return block_scaled_linear(x, self.weight) if self.quantized else F.linear(x, self.weight)
 
 
-def gemm_segments(meta: ForwardMeta) -> list[int]:
-    """Row boundaries of the float32 GEMM calls of a step (see per_request_linear): each request's prompt rows in
-    one call, each generated token's row in its own -- the shapes DeepSeek's reference gives a request (its
-    prefill in one call, one row per decode step), whatever the batch, and again when a preempted request is
-    recomputed or a speculative step verifies several generated tokens at once."""
-    bounds = [0]
+Segment = tuple[int, int, int, int]  # rows [a, b) of the step, computed as rows [offset, offset + b - a) of a call of n
+
+
+def gemm_segments(meta: ForwardMeta) -> list[Segment]:
+    """The float32 GEMM calls of a step (see per_request_linear), in the shapes DeepSeek's reference gives a
+    request: its whole prompt in one call (a chunk's rows sit at their prompt positions in that call), one call
+    per generated token -- whatever the batch, the chunking, a preemption's recompute or a verify step."""
+    out = []
     for r in range(meta.num_reqs):
-        start, end = meta.query_start[r], meta.query_start[r + 1]
+        start, end, first = meta.query_start[r], meta.query_start[r + 1], meta.seq_starts[r]
         prompt = meta.prompt_lens[r] if meta.prompt_lens is not None else meta.seq_lens[r]
-        split = min(end, max(start, start + prompt - meta.seq_starts[r]))
-        bounds += ([split] if split > start else []) + list(range(split + 1, end + 1))
-    return bounds
+        split = min(end, max(start, start + prompt - first))
+        if split > start:
+            out.append((start, split, prompt, first))
+        out += [(row, row + 1, 1, 0) for row in range(split, end)]
+    return out
 
 
-def per_request_linear(x: torch.Tensor, weight: torch.Tensor, bounds: list[int]) -> torch.Tensor:
-    """F.linear call by call over the row ranges `bounds`. A float32 GEMM's rounding depends on its row count
-    (BLAS picks kernels by shape: one row is a GEMV), so a row's result must not depend on the rows batched with
-    it. (The bf16 and block-scaled GEMMs here are row-independent already.)"""
-    if len(bounds) <= 2:
+def per_request_linear(x: torch.Tensor, weight: torch.Tensor, segments: list[Segment]) -> torch.Tensor:
+    """F.linear call by call. A float32 GEMM's rounding depends on its row count, a row's place in it and the
+    thread count (BLAS picks kernels and splits by shape: one row is a GEMV), so a row's result must not depend
+    on the rows batched with it. (The bf16 and block-scaled GEMMs here are row-independent already.)"""
+    if len(segments) == 1 and segments[0] == (0, x.shape[0], x.shape[0], 0):
         return F.linear(x, weight)
-    return torch.cat([F.linear(x[a:b], weight) for a, b in zip(bounds[:-1], bounds[1:])])
+    return torch.cat([_call(x[a:b], weight, rows, offset) for a, b, rows, offset in segments]) \
+        if segments else F.linear(x, weight)
+
+
+def _call(x: torch.Tensor, weight: torch.Tensor, rows: int, offset: int) -> torch.Tensor:
+    """x's rows as rows [offset, offset + len(x)) of a `rows`-row GEMM (the others zero)."""
+    if rows == x.shape[0]:
+        return F.linear(x, weight)
+    padded = x.new_zeros(rows, x.shape[1])
+    padded[offset:offset + x.shape[0]] = x
+    return F.linear(padded, weight)[offset:offset + x.shape[0]]
 
 
 def _stored(name: str, kind: str, rows: int, width: int, fmt: str, packed: bool) -> list[CacheTensorSpec]:
@@ -660,7 +674,8 @@ class DeepseekV41ForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """One row per call (see per_request_linear): a row's logits never depend on the other rows."""
-        return per_request_linear(hidden.float(), self.head.weight, list(range(hidden.shape[0] + 1)))
+        rows = [(i, i + 1, 1, 0) for i in range(hidden.shape[0])]
+        return per_request_linear(hidden.float(), self.head.weight, rows)
 
     # --- weights ---------------------------------------------------------------------------------------
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor, str]]) -> None:

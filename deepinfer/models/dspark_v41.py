@@ -50,7 +50,7 @@ class DraftStep:
         self.from_ring = col < n_ring[:, None]
         self.block_col = (col - n_ring[:, None]).clamp(min=0, max=block - 1)  # block row read by a block column
         self.valid = self.from_ring | (col < (n_ring[:, None] + block))  # [R, C]
-        self.segments = list(range(0, last.numel() * block + 1, block))  # float32 GEMMs: one call per block
+        self.segments = [(i * block, (i + 1) * block, block, 0) for i in range(last.numel())]  # one call per block
 
 
 class DSparkAttention(Attention):
@@ -137,6 +137,11 @@ class DSparkHead:
         [N]) into every stage's ring."""
         if not positions.numel():
             return
+        # only each request's last ring_len positions: a row written twice in one index_put has no defined winner
+        newest = torch.full((int(slots.max()) + 1,), -1, dtype=positions.dtype, device=positions.device)
+        newest = newest.scatter_reduce(0, slots, positions, "amax")
+        keep = positions > newest[slots] - self.ring_len
+        taps, positions, slots = taps[keep], positions[keep], slots[keep]
         s0 = self.stages[0]
         main_x = s0.main_norm(s0.main_proj(taps))
         rot = self.model.rotations("main", positions)
