@@ -18,24 +18,14 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
+from v41_golden import GOLDEN, golden_threads  # noqa: F401  (autouse: the goldens' threads)
 
 from deepinfer import LLM, SamplingParams
 from deepinfer.config import ConfigError, ModelConfig
 from deepinfer.models.loader import CheckpointError
 
-GOLDEN = Path(__file__).parent / "golden" / "v41"
 CONFIGS = ("a", "b")
 LOGIT_TOL = 1e-4  # log-prob tolerance the issue sets; measured 0.0 on this suite
-GOLDEN_THREADS = 2  # the intra-op threads the goldens were generated with (the reference is itself thread-count
-# dependent in places: its float32 GEMMs split work by thread count)
-
-
-@pytest.fixture(autouse=True)
-def golden_threads():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(GOLDEN_THREADS)
-    yield
-    torch.set_num_threads(previous)
 
 
 def _golden(name: str):

@@ -4,11 +4,11 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
+from v41_golden import GOLDEN, golden_threads  # noqa: F401  (autouse: the goldens' threads)
 
 from deepinfer import LLM, SamplingParams
 from deepinfer.config import ModelConfig
@@ -17,18 +17,7 @@ from deepinfer.layers.metadata import ForwardMeta
 from deepinfer.spec.base import Draft, ProposeBatch, ProposeItem, Proposer
 from deepinfer.spec.dspark_v41 import V41DSparkProposer
 
-GOLDEN = Path(__file__).parent / "golden" / "v41"
 BLOCK = 16
-GOLDEN_THREADS = 2  # the goldens' intra-op threads: the reference's DSpark logits on b's 7-token prompt move by
-# up to 0.12 between 1 and 2 threads (its own float32 GEMMs split by thread count), so parity runs at 2
-
-
-@pytest.fixture(autouse=True)
-def golden_threads():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(GOLDEN_THREADS)
-    yield
-    torch.set_num_threads(previous)
 
 
 def _long(values) -> torch.Tensor:
