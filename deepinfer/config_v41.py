@@ -74,11 +74,6 @@ class V41Config:
     def uses_candidates(self, layer: int) -> bool:
         return 0 <= self.candidate_source_layer < layer
 
-    @property
-    def first_shared_ratio1_layer(self) -> int:
-        """Where prefill truncation may start (see models/deepseek_v41.py)."""
-        return self.kv_source_layers[-1]
-
 
 def v41_from_dict(raw: dict) -> ModelConfig:
     text = raw.get("text_config")

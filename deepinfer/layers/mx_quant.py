@@ -36,13 +36,6 @@ def e4m3(x: torch.Tensor) -> torch.Tensor:
     return x.clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
 
 
-def e2m1_round(x: torch.Tensor) -> torch.Tensor:
-    """float32 in [-6, 6] -> the nearest E2M1 value (nearest-even at ties), sign of zero kept."""
-    mag = x.abs().unsqueeze(-1)
-    code = (mag > _MIDS).sum(-1) + ((mag == _MIDS) & _TIE_UP).sum(-1)
-    return torch.copysign(_E2M1[code], x)
-
-
 def fp8_qdq_float(x: torch.Tensor, block: int = BLOCK) -> torch.Tensor:
     """float32 values of bf16 `x` after FP8 E4M3 quantisation per `block` with UE8M0 scales (absmax >= 1e-4)."""
     groups = x.float().unflatten(-1, (-1, block))
@@ -53,19 +46,6 @@ def fp8_qdq_float(x: torch.Tensor, block: int = BLOCK) -> torch.Tensor:
 def fp8_qdq(x: torch.Tensor, block: int = BLOCK) -> torch.Tensor:
     """FP8 QDQ of a bf16 tensor, returned in bf16 (the window KV's training quantisation point)."""
     return fp8_qdq_float(x, block).to(x.dtype)
-
-
-def fp4_qdq(x: torch.Tensor, block: int = BLOCK, e4m3_scale: bool = False) -> torch.Tensor:
-    """FP4 E2M1 QDQ of a bf16 tensor per `block`: UE8M0 power-of-two scales (indexer q / k, blocks of 32), or
-    E4M3 scales amax / 6 (compressed KV, blocks of 16). Returned in bf16."""
-    groups = x.float().unflatten(-1, (-1, block))
-    amax = groups.abs().amax(dim=-1)
-    if e4m3_scale:
-        scale = e4m3(amax.clamp_min(6 * 2.0**-9) / FP4_MAX).float()
-    else:
-        scale = pow2_scale(amax.clamp_min(6 * 2.0**-126), _FP4_INV)
-    scale = scale.unsqueeze(-1)
-    return (e2m1_round((groups / scale).clamp(-FP4_MAX, FP4_MAX)) * scale).flatten(-2).to(x.dtype)
 
 
 def block_scaled_linear(x: torch.Tensor, weight: torch.Tensor, block: int = BLOCK) -> torch.Tensor:
@@ -122,10 +102,8 @@ def decode(codes: torch.Tensor, scales: torch.Tensor, fmt: str) -> torch.Tensor:
 
 
 def qdq(x: torch.Tensor, fmt: str) -> torch.Tensor:
-    """The QDQ point `fmt` applied to bf16 x (fp8_qdq / fp4_qdq by name)."""
-    if fmt == "fp8":
-        return fp8_qdq(x)
-    return fp4_qdq(x, _FORMATS[fmt][0], e4m3_scale=fmt == "fp4_e4m3")
+    """The QDQ point `fmt` applied to bf16 x, in bf16: the values its codes and scales stand for."""
+    return fp8_qdq(x) if fmt == "fp8" else decode(*encode(x, fmt), fmt)
 
 
 def packed_shapes(width: int, fmt: str) -> tuple[int, int]:

@@ -29,7 +29,7 @@ from deepinfer.config import ModelConfig
 from deepinfer.distributed.model_parallel import ModelParallel
 from deepinfer.layers.attention import blocked_sink_attention
 from deepinfer.layers.metadata import CacheTensorSpec, ForwardMeta
-from deepinfer.layers.mx_quant import MXStore, block_scaled_linear, fp4_qdq, packed_shapes
+from deepinfer.layers.mx_quant import MXStore, block_scaled_linear, packed_shapes, qdq
 from deepinfer.layers.norm import RMSNorm
 from deepinfer.layers.rotary import complex_rotations, rotate_tail_complex
 from deepinfer.models.engram import EngramTable, NgramHasher, compressed_token_map
@@ -173,15 +173,7 @@ class Compressor(nn.Module):
         plan.source.write(ring_flat, new)
         kv, score = slots.chunk(2, dim=-1)
         pooled = (kv * score.softmax(dim=1)).sum(dim=1)
-        return self.norm(pooled.to(x.dtype)), plan.entry_pos // self.ratio, _entry_reqs(meta, plan)
-
-
-def _entry_reqs(meta: ForwardMeta, plan) -> torch.Tensor:
-    """Request row of each entry a compress plan completes (the plan lists them request by request)."""
-    start = torch.tensor(meta.paged_write_from or meta.seq_starts, dtype=torch.long, device=meta.device)
-    end = torch.tensor(meta.seq_lens, dtype=torch.long, device=meta.device)
-    counts = torch.maximum(end // plan.ratio, start // plan.ratio) - start // plan.ratio
-    return torch.repeat_interleave(torch.arange(len(counts), device=meta.device), counts)
+        return self.norm(pooled.to(x.dtype)), plan.entry_pos // self.ratio, plan.entry_req
 
 
 class Indexer(nn.Module):
@@ -206,7 +198,7 @@ class Indexer(nn.Module):
                role: str) -> tuple[torch.Tensor, torch.Tensor]:
         """Picked entries [T, K] (entry order, invalid last) and validity; role: plain | candidate_source |
         uses_candidates (mask own scores to the candidate source's blocks)."""
-        q = fp4_qdq(rotate_tail_complex(self.wq_b(qr).view(-1, self.n_heads, self.head_dim), ctx.rot["compress"]))
+        q = qdq(rotate_tail_complex(self.wq_b(qr).view(-1, self.n_heads, self.head_dim), ctx.rot["compress"]), "fp4")
         weights = self.weights_proj(x) * (self.head_dim**-0.5 * self.n_heads**-0.5)
         meta, picks = ctx.meta, []
         for r in range(meta.num_reqs):

@@ -93,6 +93,7 @@ class CompressPlan:
     entry_pos: torch.Tensor  # [Nw] rope position ratio * w of each new entry
     query_entries: torch.Tensor  # [T, E] flat paged rows of entries 0..E-1 for each query's request
     query_valid: torch.Tensor  # [T, E] entry w is visible to position t iff w < (t + 1) // ratio
+    entry_req: torch.Tensor  # [Nw] request row of each new entry
 
     @property
     def num_new(self) -> int:
@@ -122,7 +123,7 @@ def compress_plan(meta: ForwardMeta, ratio: int, overlap: bool, lookahead: int =
     idx = torch.where(valid, src.index(req[:, None].expand_as(pos), pos.clamp(min=0)), torch.zeros_like(pos))
     entry_dst = meta.slots_of(req, w, ratio=ratio)
     q_entries, q_valid = _query_entries(meta, ratio)
-    return CompressPlan(ratio, overlap, src, idx, valid, entry_dst, w * ratio, q_entries, q_valid)
+    return CompressPlan(ratio, overlap, src, idx, valid, entry_dst, w * ratio, q_entries, q_valid, req)
 
 
 def _query_entries(meta: ForwardMeta, ratio: int) -> tuple[torch.Tensor, torch.Tensor]:
