@@ -457,6 +457,33 @@ class ParallelConfig:
         return self.data_parallel_size * self.tensor_parallel_size
 
 
+@dataclass(frozen=True)
+class EplbConfig:
+    """Expert-parallel load balancing (docs/eplb.md): which logical expert each physical expert slot holds.
+
+    num_redundant_experts extra slots in all (replicas of hot experts); placement_file a static placement
+    (`deepinfer eplb` writes one); enabled recomputes the placement from the load window every step_interval
+    steps and moves layers_per_step layers' weights per step until the new placement is in."""
+
+    enabled: bool = False
+    step_interval: int = 3000
+    layers_per_step: int = 1
+    num_redundant_experts: int = 0
+    placement_file: str | None = None
+
+    def __post_init__(self):
+        for name, low in (("step_interval", 1), ("layers_per_step", 1), ("num_redundant_experts", 0)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"eplb_{name} must be an integer >= {low}, got {value!r}".replace(
+                    "eplb_num_redundant", "num_redundant"))
+
+    @property
+    def active(self) -> bool:
+        """Whether any placement other than the contiguous one is served."""
+        return self.enabled or self.num_redundant_experts > 0 or self.placement_file is not None
+
+
 SPECULATIVE_METHODS = ("mtp", "ngram", "dspark")
 VERIFY_POLICIES = ("fixed", "adaptive")
 
@@ -552,6 +579,13 @@ class EngineArgs:
     # Expert-parallel load statistics (eplb/stats.py): tokens routed to each expert over this many steps, summed
     # over the ranks for the balancedness metrics and `deepinfer eplb`. 0: not recorded.
     eplb_window_size: int = 1000
+    # EPLB (docs/eplb.md; expert parallelism only): rebalance live every eplb_step_interval steps, moving
+    # eplb_layers_per_step layers per step; extra physical expert slots; a static placement file.
+    enable_eplb: bool = False
+    eplb_step_interval: int = 3000
+    eplb_layers_per_step: int = 1
+    num_redundant_experts: int = 0
+    eplb_placement: str | None = None
 
     def __post_init__(self):
         _ = self.parallel  # validates the sizes
@@ -572,6 +606,7 @@ class EngineArgs:
                              "steps batch several tokens of a request, which deterministic mode rules out)")
         if self.eplb_window_size < 0:
             raise ValueError(f"eplb_window_size must be >= 0, got {self.eplb_window_size}")
+        self._check_eplb()
         if self.prefill_truncation_tokens < 0:
             raise ValueError(f"prefill_truncation_tokens must be >= 0, got {self.prefill_truncation_tokens}")
         if self.swa_restore not in ("replay", "snapshot", "auto"):
@@ -588,6 +623,19 @@ class EngineArgs:
     @property
     def speculative(self) -> SpeculativeConfig | None:
         return SpeculativeConfig.parse(self.speculative_config)
+
+    @property
+    def eplb(self) -> EplbConfig:
+        return EplbConfig(self.enable_eplb, self.eplb_step_interval, self.eplb_layers_per_step,
+                          self.num_redundant_experts, self.eplb_placement)
+
+    def _check_eplb(self) -> None:
+        eplb = self.eplb  # validates the numbers
+        if eplb.active and not (self.enable_expert_parallel and self.parallel.world_size > 1):
+            raise ValueError("enable_eplb, num_redundant_experts and eplb_placement need enable_expert_parallel "
+                             "and more than one rank (they place experts over the expert-parallel ranks)")
+        if eplb.enabled and self.eplb_window_size == 0:
+            raise ValueError("enable_eplb needs the expert-load statistics (eplb_window_size > 0)")
 
     def _check_two_batch_overlap(self) -> None:
         if not self.enable_expert_parallel or self.tensor_parallel_size != 1:

@@ -296,7 +296,7 @@ def test_local_comm_is_routed_experts(topk):
 def test_ep_routed_experts_rejects_wrong_shard():
     placement = place_experts(4, 1)
     x, ids, weights, w13, w2 = make_data(Case("bad", "local", 4, 2, (3,)))
-    with pytest.raises(ValueError, match="owns 4 experts"):
+    with pytest.raises(ValueError, match="owns 4 expert slots"):
         ep_routed_experts(x, ids, weights, w13[:2], w2[:2], placement, LocalComm(placement))
     with pytest.raises(ValueError, match="another placement"):
         ep_routed_experts(x, ids, weights, w13, w2, placement, LocalComm(place_experts(5, 1)))

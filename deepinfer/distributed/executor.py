@@ -53,9 +53,13 @@ class Executor:
         self._ctx = zmq.Context()
         self.sock = self._ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
-        self.address = self._bind(args.driver_address)
-        self.group = self._start(model_path, args)
-        self.ranks = self._await_ready(startup_allowance(args))
+        self.address, self.group = self._bind(args.driver_address), None
+        try:
+            self.group = self._start(model_path, args)
+            self.ranks = self._await_ready(startup_allowance(args))
+        except BaseException:  # a failed start-up releases its ranks and sockets now (a context left to the
+            _close(self.sock, self._ctx, self.group, self.layout.world_size)  # GC would block in term())
+            raise
         self.encoders = [PlanEncoder() for _ in range(args.parallel.data_parallel_size)]
         self._finalizer = weakref.finalize(self, _close, self.sock, self._ctx, self.group, self.layout.world_size)
 
@@ -213,14 +217,24 @@ class Executor:
         return summed_load(stats if stats is not None else self.rank_stats())
 
     def expert_balancedness(self, stats: list[RankStats] | None = None) -> list[float]:
-        """Per MoE layer, mean / max tokens per EP rank under the current (contiguous) placement; [] without EP."""
-        from deepinfer.distributed.moe_comm import place_experts
+        """Per MoE layer, mean / max tokens per EP rank under the layers' current placements (replicas sharing
+        their expert's load evenly); [] without EP."""
+        from deepinfer.eplb.policy import placement_balancedness
         from deepinfer.eplb.stats import layer_balancedness
 
+        stats = stats if stats is not None else self.rank_stats()
         load = self.expert_load(stats)
         if load is None:
             return []
-        return layer_balancedness(load, place_experts(load.shape[1], len(self.layout.ep_group)).starts)
+        ep = len(self.layout.ep_group)
+        placement = next((s.expert_placement for s in stats if s.expert_placement), None)
+        if placement is None or len(placement[0]) % ep:  # uneven contiguous blocks: no replicas, per block
+            from deepinfer.distributed.moe_comm import place_experts
+
+            return layer_balancedness(load, place_experts(load.shape[1], ep).starts)
+        import torch
+
+        return placement_balancedness(load, torch.tensor(placement), ep)
 
     def rank_stats(self) -> list[RankStats]:
         """Every rank's RankStats, in rank order (answered after the steps already sent to it)."""

@@ -64,6 +64,8 @@ class ModelParallel:
         self._experts: list[ParallelExperts] = []  # by tag
         self.load_window, self.load = 0, None  # eplb.stats.ExpertLoad, created by the first recorded call
         self._load_lock = threading.Lock()  # two-batch overlap records from two threads
+        self._two_lanes = False  # two-batch overlap: TwoBatchForward ends each step after both lanes
+        self.rebalancer = None  # distributed.eplb_runtime.ExpertRebalancer, when EPLB serves this rank
 
     @classmethod
     def single(cls) -> ModelParallel:
@@ -114,8 +116,19 @@ class ModelParallel:
             if self.placement is None:
                 self._comms[lane] = LocalComm(place_experts(1, 1))
             else:
-                self._comms[lane] = COMM_KINDS[self.comm_kind](self.placement, self.ep_rank, self.lane_groups[lane])
+                comm = COMM_KINDS[self.comm_kind](self.placement, self.ep_rank, self.lane_groups[lane])
+                comm.placement_for = self.layer_placement
+                self._comms[lane] = comm
         return self._comms[lane]
+
+    def layer_placement(self, tag: int) -> ExpertPlacement:
+        """The expert placement MoE layer `tag` runs under now (EPLB swaps it at step boundaries)."""
+        return self._experts[tag].placement
+
+    @property
+    def experts(self) -> tuple[ParallelExperts, ...]:
+        """Every MoE layer's routed experts, by tag."""
+        return tuple(self._experts)
 
     @property
     def moe_payload_bytes(self) -> int:
@@ -131,21 +144,34 @@ class ModelParallel:
         if not self.load_window:
             return
         with self._load_lock:
-            if self.load is None:
-                self.load = ExpertLoad(len(self._experts), self.placement.num_experts, self.load_window,
-                                       expert_ids.device)
-            self.load.record(tag, expert_ids)
+            self.ensure_load(expert_ids.device).record(tag, expert_ids)
+
+    def ensure_load(self, device: torch.device | str | None = None) -> ExpertLoad:
+        """The load window, created on first use (on the experts' device; EP with load_window > 0 only)."""
+        if self.load is None:
+            device = device if device is not None else self._experts[0].w13.device
+            self.load = ExpertLoad(len(self._experts), self.placement.num_experts, self.load_window, device)
+        return self.load
 
     def finish_step(self) -> int:
-        """End of a step (collective over this lane's EP group): join peers' remaining MoE calls. Returns the
-        rounds joined; 0 without EP (TP-only ranks never wait on another replica)."""
+        """End of a lane's step (collective over this lane's EP group): join peers' remaining MoE calls. Returns
+        the rounds joined; 0 without EP (TP-only ranks never wait on another replica). A rank's single-lane
+        step also ends the step (end_step); with two lanes the caller ends it once both lanes finished."""
         if self.placement is None or not self._experts:
             return 0
         first = self._experts[0]
         joined = self.comm.drain(self._drained_round, first.dim, first.topk, first.w13.dtype, first.w13.device)
-        if self.load is not None and self.lane == 0:  # every rank ends every step here: one shared step count
-            self.load.end_step()
+        if not self._two_lanes:
+            self.end_step()
         return joined
+
+    def end_step(self) -> None:
+        """Every rank ends every step here, with no MoE call in flight: one shared step count for the load window,
+        and the step boundary where EPLB moves and swaps expert weights (collective over the EP group)."""
+        if self.load is not None:
+            self.load.end_step()
+        if self.rebalancer is not None:
+            self.rebalancer.end_step()
 
     def _drained_round(self, work: LocalWork) -> torch.Tensor:
         return self._experts[work.tag].local_outputs(work)
@@ -164,13 +190,14 @@ class ParallelExperts(nn.Module):
         if mp.expert_parallel:
             if mp.placement.num_experts != num_experts:
                 raise ValueError(f"expert placement is for {mp.placement.num_experts} experts, layer has {num_experts}")
-            self.local = mp.placement.local_experts(mp.ep_rank)
+            self.placement = mp.placement  # this layer's own from here on (EPLB swaps it, with the weights)
+            self.local = mp.placement.local_experts(mp.ep_rank)  # what loading fills: the contiguous block
             local_inter = inter
         else:
             if inter % mp.tp.size:
                 raise ValueError(f"moe_intermediate_size {inter} is not divisible by tensor-parallel size "
                                  f"{mp.tp.size} (enable expert parallelism to keep experts whole)")
-            self.local, local_inter = range(num_experts), inter // mp.tp.size
+            self.placement, self.local, local_inter = None, range(num_experts), inter // mp.tp.size
         self.w13 = nn.Parameter(torch.zeros(len(self.local), 2 * local_inter, dim))
         self.w2 = nn.Parameter(torch.zeros(len(self.local), dim, local_inter))
         self.tag = mp.register(self) if mp.expert_parallel else 0
@@ -188,12 +215,24 @@ class ParallelExperts(nn.Module):
         return gather_rows(mine, x.shape[0], mp.tp, mp.tp_group) if mp.tp.size > 1 else mine
 
     def local_outputs(self, work: LocalWork) -> torch.Tensor:
-        """This rank's experts on a dispatched round's rows (unweighted), GEMMs shaped by the global plan."""
-        return _local_expert_outputs(work, self.w13, self.w2, self.limit)
+        """This rank's expert slots on a dispatched round's rows (unweighted), GEMMs shaped by the global plan."""
+        slots = self.placement.local_slots(self.mp.ep_rank)
+        return _local_expert_outputs(work, self.w13, self.w2, self.limit,
+                                     self.placement.slot_experts[slots.start:slots.stop])
+
+    def swap(self, placement: ExpertPlacement, w13: torch.Tensor, w2: torch.Tensor) -> None:
+        """Serve under `placement` with its slots' weights from the next MoE call on (between steps only)."""
+        for param, new in ((self.w13, w13), (self.w2, w2)):
+            if param.shape == new.shape:
+                param.data.copy_(new)  # in place: anything holding the storage stays valid
+            else:
+                param.data = new
+        self.placement = placement
 
     # --- loading ----------------------------------------------------------------------------------
     def local_index(self, expert: int) -> int | None:
-        """Row of w13 / w2 holding global expert `expert`, or None when another rank holds it."""
+        """Row of w13 / w2 holding global expert `expert` at load time (the contiguous block), or None when
+        another rank holds it. EPLB placements are applied after loading (ExpertRebalancer.start)."""
         return expert - self.local.start if expert in self.local else None
 
     def shard_weight(self, tensor: torch.Tensor, half: int | None) -> torch.Tensor:

@@ -29,11 +29,13 @@ import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
-from deepinfer.layers.moe import sorted_expert_outputs
+from deepinfer.layers.moe import MAX_PADDING_WASTE, sorted_expert_outputs, swiglu
 
 ID_DTYPE = torch.int32
 WEIGHT_DTYPE = torch.float32
@@ -50,31 +52,104 @@ _reduce_scatter_single = getattr(dist, "reduce_scatter_single", dist.reduce_scat
 
 @dataclass(frozen=True)
 class ExpertPlacement:
-    """Contiguous expert blocks: rank r owns global experts [starts[r], starts[r + 1])."""
+    """Physical expert slots in contiguous blocks per rank: rank r holds slots [starts[r], starts[r + 1]), and
+    slot s holds logical expert phy2log[s] (None: slot s holds expert s, no replicas; place_experts).
+
+    A logical expert with c replicas (slots ascending) serves the positions p of its n rows of a round
+    (rank-major, then token order: the order every rank can compute) in c contiguous chunks: replica
+    p * c // n. So the replica of a row is a pure function of the round's routing, and the rows a rank receives
+    from each peer follow from the per-expert counts alone (rows_from)."""
 
     num_experts: int
-    starts: tuple[int, ...]  # ep_size + 1 non-decreasing boundaries, starts[0] = 0, starts[-1] = num_experts
+    starts: tuple[int, ...]  # ep_size + 1 non-decreasing slot boundaries, starts[0] = 0
+    phy2log: tuple[int, ...] | None = None
+
+    def __post_init__(self):
+        slots = self.starts[-1]
+        if self.phy2log is None:
+            if slots != self.num_experts:
+                raise ValueError(f"an identity placement needs {self.num_experts} slots, got {slots}")
+            return
+        if len(self.phy2log) != slots or not all(0 <= e < self.num_experts for e in self.phy2log):
+            raise ValueError(f"phy2log needs {slots} expert ids in [0, {self.num_experts})")
+        if len(set(self.phy2log)) != self.num_experts:
+            raise ValueError("every logical expert needs at least one slot")
+
+    @classmethod
+    def from_phy2log(cls, phy2log: Sequence[int], num_experts: int, ep_size: int) -> ExpertPlacement:
+        """A policy's slot row (GPU-major, equal slots per rank) as a placement; identity rows become None."""
+        per, extra = divmod(len(phy2log), ep_size)
+        if extra:
+            raise ValueError(f"{len(phy2log)} expert slots do not split evenly over {ep_size} ranks")
+        row = tuple(int(e) for e in phy2log)
+        identity = row == tuple(range(num_experts))
+        return cls(num_experts, tuple(r * per for r in range(ep_size + 1)), None if identity else row)
 
     @property
     def ep_size(self) -> int:
         return len(self.starts) - 1
 
-    def local_experts(self, rank: int) -> range:
-        """Global ids of the experts rank owns; its local id i is global id local_experts(rank)[i]."""
+    @property
+    def num_slots(self) -> int:
+        return self.starts[-1]
+
+    @property
+    def slot_experts(self) -> tuple[int, ...]:
+        """Logical expert of every slot."""
+        return tuple(range(self.num_experts)) if self.phy2log is None else self.phy2log
+
+    def local_slots(self, rank: int) -> range:
         return range(self.starts[rank], self.starts[rank + 1])
 
+    def local_experts(self, rank: int) -> range:
+        """Global ids of the experts rank owns (identity placements); its local id i is local_experts(rank)[i]."""
+        if self.phy2log is not None:
+            raise ValueError("local_experts is for identity placements; use slot_experts and local_slots")
+        return self.local_slots(rank)
+
     def owner(self, expert: int) -> int:
-        return next(r for r in range(self.ep_size) if expert < self.starts[r + 1])
+        return int(self.owner_of(torch.tensor([expert]))[0])
 
-    def owner_of(self, ids: torch.Tensor) -> torch.Tensor:
-        """Owner rank of every global expert id in ids (any shape)."""
-        bounds = torch.tensor(self.starts[1:], dtype=ids.dtype, device=ids.device)
-        return torch.bucketize(ids, bounds, right=True)
+    def owner_of(self, slots: torch.Tensor) -> torch.Tensor:
+        """Owner rank of every slot id (for identity placements: of every global expert id) in slots."""
+        bounds = torch.tensor(self.starts[1:], dtype=slots.dtype, device=slots.device)
+        return torch.bucketize(slots, bounds, right=True)
 
-    def local_index(self, ids: torch.Tensor) -> torch.Tensor:
-        """Every global expert id in ids as an index into its owner's local weights."""
-        starts = torch.tensor(self.starts, dtype=ids.dtype, device=ids.device)
-        return ids - starts[self.owner_of(ids)]
+    def local_index(self, slots: torch.Tensor) -> torch.Tensor:
+        """Every slot id as an index into its owner's local weights."""
+        starts = torch.tensor(self.starts, dtype=slots.dtype, device=slots.device)
+        return slots - starts[self.owner_of(slots)]
+
+    @cached_property
+    def _replicas(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(replica count [E], slots of each expert ascending [E, max count] padded -1, replica index [slots])."""
+        by_expert: list[list[int]] = [[] for _ in range(self.num_experts)]
+        for slot, e in enumerate(self.slot_experts):
+            by_expert[e].append(slot)
+        width = max(len(s) for s in by_expert)
+        table = torch.tensor([s + [-1] * (width - len(s)) for s in by_expert], dtype=torch.long)
+        index = torch.tensor([by_expert[e].index(slot) for slot, e in enumerate(self.slot_experts)])
+        return torch.tensor([len(s) for s in by_expert]), table, index
+
+    def slot_of(self, ids: torch.Tensor, pos: torch.Tensor, plan: torch.Tensor) -> torch.Tensor:
+        """Slot serving each row: logical ids, positions among their expert's plan[e] rows of the round."""
+        if self.phy2log is None:
+            return ids
+        count, table, _ = (t.to(ids.device) for t in self._replicas)
+        return table[ids, pos * count[ids] // plan[ids]]
+
+    def rows_from(self, rank: int, counts: torch.Tensor) -> torch.Tensor:
+        """[sources] rows each rank sends to `rank`'s slots, from counts [sources, E] of every rank's rows."""
+        mine = self.local_slots(rank)
+        if self.phy2log is None:
+            return counts[:, mine.start:mine.stop].sum(1)
+        count, _, index = (t.to(counts.device) for t in self._replicas)
+        experts = torch.tensor(self.slot_experts[mine.start:mine.stop], dtype=torch.long, device=counts.device)
+        n, c, j = counts.sum(0)[experts], count[experts], index[mine.start:mine.stop]
+        lo, hi = (j * n + c - 1) // c, ((j + 1) * n + c - 1) // c  # the slots' chunks of positions
+        first = (counts.cumsum(0) - counts)[:, experts]  # [sources, local slots] each source's first position
+        overlap = torch.minimum(first + counts[:, experts], hi) - torch.maximum(first, lo)
+        return overlap.clamp(min=0).sum(1)
 
 
 def place_experts(num_experts: int, ep_size: int) -> ExpertPlacement:
@@ -125,16 +200,18 @@ def unpack_rows(buf: torch.Tensor, layout: Sequence[tuple[torch.dtype, tuple[int
 
 @dataclass
 class LocalWork:
-    """Rows this rank runs through its own experts: expert_ids[n] (local id) applied to x[n].
+    """Rows this rank runs through its own expert slots: slot expert_ids[n] (local slot id) applied to x[n].
 
-    Rows are sorted by expert and, within an expert, in global token order (rank-major), the order
-    routed_experts gives the whole batch. handle is the implementation's bookkeeping for combine."""
+    Rows are sorted by slot and, within a slot, by pos: the row's position among all rows of its logical expert
+    over all ranks (rank-major, then token order: the order routed_experts gives the whole batch). With one slot
+    per expert the positions of a slot are 0..n-1. handle is the implementation's bookkeeping for combine."""
 
     x: torch.Tensor  # [N, D]
-    expert_ids: torch.Tensor  # [N] int64 local expert ids, non-decreasing
-    plan_counts: torch.Tensor  # [E] pairs per global expert over all ranks: the single-process GEMM plan
+    expert_ids: torch.Tensor  # [N] int64 local slot ids, non-decreasing
+    plan_counts: torch.Tensor  # [E] rows per logical expert over all ranks: the single-process GEMM plan
     handle: object = None
     tag: int = 0  # the MoE layer of the round (agreed by every active rank)
+    pos: torch.Tensor | None = None  # [N] int64 positions (None: 0..n-1 within each slot)
 
 
 class MoEComm(ABC):
@@ -145,6 +222,8 @@ class MoEComm(ABC):
     def __init__(self, placement: ExpertPlacement, rank: int = 0, group=None):
         self.placement, self.rank, self.group = placement, rank, group
         self.payload_bytes = 0  # bytes collectives delivered to this rank since construction (see bytes_moved)
+        # The placement of MoE layer `tag` (EPLB gives layers their own; every rank agrees on each layer's).
+        self.placement_for: Callable[[int], ExpertPlacement] = lambda tag: self.placement
 
     @property
     def local_experts(self) -> range:
@@ -197,6 +276,11 @@ def _agreed_tag(high: int, low: int) -> int | None:
 def _expert_order(flat_ids: torch.Tensor) -> torch.Tensor:
     """Permutation sorting (token, k) pairs by expert id, ties in pair order (as routed_experts sorts)."""
     return torch.argsort(flat_ids, stable=True)
+
+
+def _slot_order(slot: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    """Permutation sorting rows by (slot, position); a slot's positions are distinct."""
+    return torch.argsort(slot * (int(pos.max()) + 1 if pos.numel() else 1) + pos, stable=True)
 
 
 def _weighted_sum(num_tokens: int, token_of: torch.Tensor, out: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -258,19 +342,28 @@ class AllGatherComm(_CollectiveComm):
         if tag is None:
             return None
         ids, weights, rows = self._gather(x, topk_ids, topk_weights, tmax)
+        placement = self.placement_for(tag)
         flat_ids = ids.reshape(-1).long()
-        start, stop = self.local_experts.start, self.local_experts.stop
-        pairs = torch.nonzero((flat_ids >= start) & (flat_ids < stop)).squeeze(1)
-        pairs = pairs[_expert_order(flat_ids[pairs])]  # padding ids are -1, never local
-        token_of = pairs // k
-        handle = (num_tokens, tmax, token_of, weights.reshape(-1)[pairs])
-        plan = torch.bincount(flat_ids[flat_ids >= 0], minlength=self.placement.num_experts)
-        return LocalWork(rows[token_of], flat_ids[pairs] - start, plan, handle, tag)
+        pairs = torch.nonzero(flat_ids >= 0).squeeze(1)  # padding ids are -1
+        pairs = pairs[_expert_order(flat_ids[pairs])]
+        experts = flat_ids[pairs]
+        plan = torch.bincount(experts, minlength=placement.num_experts)
+        pos = torch.arange(pairs.numel(), device=pairs.device) - (plan.cumsum(0) - plan)[experts]
+        slots = placement.local_slots(self.rank)
+        slot = placement.slot_of(experts, pos, plan) - slots.start
+        mine = torch.nonzero((slot >= 0) & (slot < len(slots))).squeeze(1)  # in expert order
+        by_slot = _slot_order(slot[mine], pos[mine])
+        token_of = pairs[mine] // k
+        handle = (num_tokens, tmax, token_of, weights.reshape(-1)[pairs[mine]], by_slot)
+        rows_by_slot = mine[by_slot]
+        return LocalWork(rows[token_of[by_slot]], slot[rows_by_slot], plan, handle, tag, pos[rows_by_slot])
 
     def combine(self, work, out):
-        num_tokens, tmax, token_of, weights = work.handle
+        num_tokens, tmax, token_of, weights, by_slot = work.handle
         world = self.placement.ep_size
-        partial = _weighted_sum(world * tmax, token_of, out, weights)
+        by_expert = torch.empty_like(out)
+        by_expert[by_slot] = out  # each token's terms added in ascending expert id, whatever the slots
+        partial = _weighted_sum(world * tmax, token_of, by_expert, weights)
         mine = self._reduce(partial, tmax)
         return mine[:num_tokens]
 
@@ -315,10 +408,11 @@ class AllGatherComm(_CollectiveComm):
 
 
 class AllToAllComm(_CollectiveComm):
-    """Each (token, k) pair travels to its expert's owner and its output comes back (all_to_all_single).
+    """Each (token, k) pair travels to the owner of its slot and its output comes back (all_to_all_single).
 
-    Pairs are sent in expert order, which is also owner order (blocks are contiguous), so one argsort gives
-    the send layout, the receive layout is sorted by source then expert, and the reply lands in send order."""
+    Pairs are sorted by expert (the combine order), then stably by owner for the send layout; a row's position
+    among its expert's rows of the round is its source's offset (the exchanged counts) plus its place in the
+    source's sorted pairs, so every rank derives the slot of every row and how many rows each peer sends it."""
 
     name = "alltoall"
 
@@ -327,26 +421,44 @@ class AllToAllComm(_CollectiveComm):
         counts, tag = self._exchange_counts(flat_ids, tag)
         if tag is None:
             return None
+        placement = self.placement_for(tag)
         order = _expert_order(flat_ids)
-        send_counts = [int(counts[self.rank, r.start:r.stop].sum()) for r in self._blocks()]
-        recv_counts = counts[:, self.local_experts.start:self.local_experts.stop].sum(1).tolist()
+        experts, plan, mine = flat_ids[order].long(), counts.sum(0), counts[self.rank]
+        first = (counts.cumsum(0) - counts)[self.rank] - (mine.cumsum(0) - mine)
+        pos = first[experts] + torch.arange(experts.numel(), device=experts.device)
+        slot = placement.slot_of(experts, pos, plan)
+        owner = placement.owner_of(slot)
+        send_order = torch.argsort(owner, stable=True)
+        send_counts = torch.bincount(owner, minlength=placement.ep_size).tolist()
+        recv_counts = placement.rows_from(self.rank, counts).tolist()
         token_of = order // topk_ids.shape[1]
-        local_ids = self.placement.local_index(flat_ids[order])
-        recv = self._all_to_all(pack_rows(local_ids.to(ID_DTYPE), x[token_of]), send_counts, recv_counts)
-        recv_ids, rows = unpack_rows(recv, [(ID_DTYPE, ()), (x.dtype, tuple(x.shape[1:]))])
-        local_order = _expert_order(recv_ids)  # by local expert, ties by source rank then origin order
-        handle = (x.shape[0], token_of, topk_weights.reshape(-1)[order], send_counts, recv_counts, local_order)
-        return LocalWork(rows[local_order], recv_ids[local_order].long(), counts.sum(0), handle, tag)
+        recv_ids, recv_pos, rows = self._send_rows(placement, slot, pos, x[token_of], send_order, send_counts,
+                                                   recv_counts)
+        # by slot, then position (source rank, origin order); without replicas arrival order gives the positions
+        local_order = _expert_order(recv_ids) if recv_pos is None else _slot_order(recv_ids, recv_pos)
+        handle = (x.shape[0], token_of, topk_weights.reshape(-1)[order], send_counts, recv_counts, local_order,
+                  send_order)
+        pos = None if recv_pos is None else recv_pos[local_order]
+        return LocalWork(rows[local_order], recv_ids[local_order], plan, handle, tag, pos)
+
+    def _send_rows(self, placement, slot, pos, rows, send_order, send_counts, recv_counts):
+        """(local slot ids, positions or None, rows) this rank receives: rows go out in send_order; positions
+        travel only with replicas (one slot per expert: a slot's arrival order is its position order)."""
+        parts = [placement.local_index(slot)[send_order].to(ID_DTYPE), rows[send_order]]
+        if placement.phy2log is not None:
+            parts.insert(1, pos[send_order].to(ID_DTYPE))
+        layout = [(ID_DTYPE, ())] * (len(parts) - 1) + [(rows.dtype, tuple(rows.shape[1:]))]
+        got = unpack_rows(self._all_to_all(pack_rows(*parts), send_counts, recv_counts), layout)
+        return got[0].long(), (got[1].long() if len(got) == 3 else None), got[-1]
 
     def combine(self, work, out):
-        num_tokens, token_of, weights, send_counts, recv_counts, local_order = work.handle
+        num_tokens, token_of, weights, send_counts, recv_counts, local_order, send_order = work.handle
         reply = torch.empty_like(out)
         reply[local_order] = out
-        back = self._all_to_all(as_bytes(reply), recv_counts, send_counts)
-        return _weighted_sum(num_tokens, token_of, from_bytes(back, out.dtype, out.shape[1:]), weights)
-
-    def _blocks(self) -> list[range]:
-        return [self.placement.local_experts(r) for r in range(self.placement.ep_size)]
+        back = from_bytes(self._all_to_all(as_bytes(reply), recv_counts, send_counts), out.dtype, out.shape[1:])
+        by_expert = torch.empty_like(back)
+        by_expert[send_order] = back
+        return _weighted_sum(num_tokens, token_of, by_expert, weights)
 
     def _exchange_counts(self, flat_ids: torch.Tensor, tag: int | None) -> tuple[torch.Tensor, int | None]:
         """([world, E] pairs per (source rank, global expert), the active ranks' tag or None when all drain):
@@ -375,24 +487,63 @@ class AllToAllComm(_CollectiveComm):
 def ep_routed_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, local_w13: torch.Tensor,
                       local_w2: torch.Tensor, placement: ExpertPlacement, comm: MoEComm,
                       limit: float = 0.0) -> torch.Tensor:
-    """routed_experts for this rank's tokens with only this rank's experts' weights (collective call).
+    """routed_experts for this rank's tokens with only this rank's slots' weights (collective call).
 
-    local_w13 [E_local, 2I, D] and local_w2 [E_local, D, I] are the rows placement gives comm.rank."""
+    local_w13 [S_local, 2I, D] and local_w2 [S_local, D, I] are the slots placement gives comm.rank."""
     if placement != comm.placement:
         raise ValueError("comm was built for another placement")
-    if local_w13.shape[0] != len(placement.local_experts(comm.rank)):
-        raise ValueError(f"rank {comm.rank} owns {len(placement.local_experts(comm.rank))} experts, "
-                         f"got weights for {local_w13.shape[0]}")
+    slots = placement.local_slots(comm.rank)
+    if local_w13.shape[0] != len(slots):
+        raise ValueError(f"rank {comm.rank} owns {len(slots)} expert slots, got weights for {local_w13.shape[0]}")
     work = comm.dispatch(x, topk_ids, topk_weights)
-    return comm.combine(work, _local_expert_outputs(work, local_w13, local_w2, limit))
+    experts = placement.slot_experts[slots.start:slots.stop]
+    return comm.combine(work, _local_expert_outputs(work, local_w13, local_w2, limit, experts))
 
 
-def _local_expert_outputs(work: LocalWork, w13: torch.Tensor, w2: torch.Tensor, limit: float) -> torch.Tensor:
-    """Unweighted expert_{id_n}(x_n) per row, with GEMMs shaped by the global plan (single-process bits)."""
+def _local_expert_outputs(work: LocalWork, w13: torch.Tensor, w2: torch.Tensor, limit: float,
+                          slot_experts: Sequence[int] | None = None) -> torch.Tensor:
+    """Unweighted expert outputs per row, with GEMMs shaped by the global plan (single-process bits).
+
+    slot_experts: the logical expert of each local slot (None: slot i is the i-th expert of an identity block).
+    Every row keeps the place it has in the single-process GEMM of its logical expert (its position), so a
+    replica that serves part of an expert's rows still runs that GEMM's shape: a slot's rows never depend on
+    which replica serves them. Replicated slots therefore compute their expert's padded rows (the exactness
+    price on CPU, where BLAS rounding depends on the row count)."""
     if work.x.shape[0] == 0:  # also covers ranks that own no experts
         return work.x.new_zeros(0, w2.shape[1])
     counts = torch.bincount(work.expert_ids, minlength=w13.shape[0])
-    return sorted_expert_outputs(work.x, work.expert_ids, counts, w13, w2, limit, work.plan_counts)
+    if work.pos is None or slot_experts is None:
+        return sorted_expert_outputs(work.x, work.expert_ids, counts, w13, w2, limit, work.plan_counts)
+    plan = work.plan_counts.tolist()
+    if max(plan) * len(plan) <= MAX_PADDING_WASTE * sum(plan):
+        return _placed_batched(work, max(plan), w13, w2, limit)
+    return _placed_loop(work, counts.tolist(), [plan[e] for e in slot_experts], w13, w2, limit)
+
+
+def _placed_batched(work: LocalWork, capacity: int, w13: torch.Tensor, w2: torch.Tensor,
+                    limit: float) -> torch.Tensor:
+    """Rows at (slot, position) of [S_local, capacity, D]: routed_experts' padded batch, this rank's slots."""
+    buf = work.x.new_zeros(w13.shape[0], capacity, work.x.shape[1])
+    buf[work.expert_ids, work.pos] = work.x
+    h = swiglu(torch.bmm(buf, w13.transpose(1, 2)), limit)
+    return torch.bmm(h, w2.transpose(1, 2))[work.expert_ids, work.pos]
+
+
+def _placed_loop(work: LocalWork, counts: list[int], rows_of: list[int], w13: torch.Tensor, w2: torch.Tensor,
+                 limit: float) -> torch.Tensor:
+    """One GEMM per slot of its expert's row count, rows at their positions (a slot with them all: as they are)."""
+    out, start = torch.empty_like(work.x), 0
+    for slot, n in enumerate(counts):
+        if not n:
+            continue
+        rows = slice(start, start + n)
+        xs = work.x[rows]
+        if n < rows_of[slot]:
+            xs = work.x.new_zeros(rows_of[slot], work.x.shape[1]).index_copy_(0, work.pos[rows], xs)
+        y = F.linear(swiglu(F.linear(xs, w13[slot]), limit), w2[slot])
+        out[rows] = y if n == rows_of[slot] else y[work.pos[rows]]
+        start += n
+    return out
 
 
 # ----------------------------------------------------------------------------------------- bytes moved
@@ -410,7 +561,8 @@ def bytes_moved(kind: str, tokens: int | Sequence[int], hidden: int, topk: int, 
       int32 ids, fp32 weights) + world Tmax D e (every rank's partial sums of this rank's rows: the
       reduce-scatter payload).
     - alltoall: 8 world (E + 1) (every rank's per-expert counts and tag) + the rows of the pairs routed here,
-      D e + 4 bytes each, and on the way back D e per pair of this rank's own; summed over ranks both are
+      D e + 4 bytes each (int32 slot; a placement with replicas
+      adds the int32 position), and on the way back D e per pair of this rank's own; summed over ranks both are
       sum(T) K pairs.
     - local: 0."""
     counts = [tokens] * world if isinstance(tokens, int) else list(tokens)

@@ -57,6 +57,7 @@ class TwoBatchForward:
         if len(parallel.lane_groups) < LANES or parallel.tp.size != 1:
             raise ValueError("two-batch overlap needs expert parallelism with 2 EP lane groups and TP size 1")
         self.model, self.parallel = model, parallel
+        parallel._two_lanes = True  # each lane drains; __call__ / idle end the rank's step once both are done
         self.pool = ThreadPoolExecutor(LANES, thread_name_prefix="deepinfer-lane")
 
     def __call__(self, meta: ForwardMeta) -> torch.Tensor:
@@ -64,12 +65,14 @@ class TwoBatchForward:
         halves = [sub_meta(meta, 0, r), sub_meta(meta, r, meta.num_reqs) if r < meta.num_reqs else None]
         futures = [self.pool.submit(self._lane, k, half) for k, half in enumerate(halves)]
         hidden = [f.result() for f in futures]
+        self.parallel.end_step()
         return torch.cat([h for h in hidden if h is not None])
 
     def idle(self) -> None:
         """An idle replica's step: both lanes only drain."""
         for future in [self.pool.submit(self._lane, k, None) for k in range(LANES)]:
             future.result()
+        self.parallel.end_step()
 
     def _lane(self, k: int, meta: ForwardMeta | None) -> torch.Tensor | None:
         with torch.inference_mode(), self.parallel.in_lane(k):

@@ -20,7 +20,7 @@ import pickle
 import threading
 import traceback
 from concurrent.futures import Future
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -32,6 +32,7 @@ from zmq.utils.monitor import recv_monitor_message
 from deepinfer.bench.machine import peak_rss_bytes
 from deepinfer.config import EngineArgs, ModelConfig, model_dtype
 from deepinfer.distributed.backend import ParallelGroups, build_groups, init_from_env
+from deepinfer.distributed.eplb_runtime import ExpertRebalancer
 from deepinfer.distributed.layout import RankLayout, make_layout
 from deepinfer.distributed.model_parallel import ModelParallel
 from deepinfer.distributed.overlap import TwoBatchForward
@@ -75,6 +76,8 @@ class RankStats:
     moe_payload_bytes: int  # bytes expert-parallel collectives delivered to this rank so far
     steps: int
     expert_load: list | None = None  # [MoE layers][experts] tokens this rank routed over the window (EP only)
+    expert_placement: list | None = None  # [MoE layers][slots] logical expert of each slot (EP only)
+    eplb: dict | None = None  # eplb_runtime.EplbCounters as a dict (EPLB only)
 
 
 def run_rank(rank: int, layout: RankLayout, spec: WorkerSpec) -> None:
@@ -109,6 +112,9 @@ class RankWorker:
         prepare_model(self.model, args)
         self.parallel = parallel
         self.runner = self._runner(config, args)
+        if args.eplb.active and parallel.expert_parallel:  # after the MTP layer's experts registered too
+            parallel.rebalancer = ExpertRebalancer(parallel, args.eplb)
+            parallel.rebalancer.start()
         self.overlap = TwoBatchForward(self.model, parallel) if args.two_batch_overlap else None
         if self.overlap is not None:
             self.runner.forward = self.overlap
@@ -177,8 +183,12 @@ class RankWorker:
         experts = [p for name, p in self.model.named_parameters() if name.endswith((".experts.w13", ".experts.w2"))]
         moe = self.parallel.moe_payload_bytes
         load = self.parallel.load
+        placement = [list(e.placement.slot_experts) for e in self.parallel.experts] if self.parallel.expert_parallel \
+            else None
+        rebalancer = self.parallel.rebalancer
         return RankStats(self.rank, self.dp_rank, self.tp_rank, _nbytes(tensors), _nbytes(experts),
-                         peak_rss_bytes(), moe, self.steps, None if load is None else load.totals().tolist())
+                         peak_rss_bytes(), moe, self.steps, None if load is None else load.totals().tolist(),
+                         placement, None if rebalancer is None else asdict(rebalancer.counters))
 
     def execute(self, plan: ReplicaPlan, pending_mask: Future | None = None):
         """Run this replica's plan (None when idle), then join the step's remaining EP rounds (with two-batch

@@ -36,6 +36,7 @@ from deepinfer.engine.messages import (
     EngineOutputs,
     EngineReady,
     EngineStats,
+    EplbMetrics,
     LogprobEntry,
     RankMetrics,
     ReplicaMetrics,
@@ -226,15 +227,26 @@ def _replica_metrics(d: int, core: EngineCore) -> ReplicaMetrics:
     return ReplicaMetrics(d, len(sched.running), len(sched.waiting), core.kv.usage())
 
 
-def _rank_metrics(core) -> tuple[list[RankMetrics], list[float]]:
-    """(per rank metrics, per MoE layer EP balancedness), asked of the ranks between steps (one round trip)."""
+def _rank_metrics(core) -> tuple[list[RankMetrics], list[float], EplbMetrics | None]:
+    """(per rank metrics, per MoE layer EP balancedness, EPLB counters), asked of the ranks between steps (one
+    round trip)."""
     executor = core.executor
     if executor is None:
-        return [], []
+        return [], [], None
     stats = executor.rank_stats()
     ranks = [RankMetrics(s.rank, s.dp_rank, s.tp_rank, s.param_bytes, s.expert_param_bytes, s.peak_rss_bytes,
                          s.moe_payload_bytes, s.steps) for s in stats]
-    return ranks, executor.expert_balancedness(stats)
+    return ranks, executor.expert_balancedness(stats), _eplb_metrics(stats)
+
+
+def _eplb_metrics(stats) -> EplbMetrics | None:
+    counters = [s.eplb for s in stats if s.eplb]
+    if not counters:
+        return None
+    first = counters[0]
+    return EplbMetrics(first["rebalances"], first["layers_moved"], first["experts_moved"],
+                       max(c["move_seconds"] for c in counters), first["balancedness_before"],
+                       first["balancedness_after"])
 
 
 def replicas(core) -> list[EngineCore]:

@@ -89,6 +89,17 @@ class EngineOutput(_Msg):
         return self.finish_reason is not None
 
 
+class EplbMetrics(_Msg):
+    """Live EPLB of a multi-rank engine (distributed.eplb_runtime.EplbCounters; the same on every rank)."""
+
+    rebalances: int
+    layers_moved: int
+    experts_moved: int
+    move_seconds: float  # the slowest rank's wall time inside weight moves
+    balancedness_before: list[float]  # per MoE layer, at the last rebalance
+    balancedness_after: list[float]
+
+
 class RankMetrics(_Msg):
     """One rank of a multi-rank engine (distributed.worker.RankStats)."""
 
@@ -130,6 +141,7 @@ class EngineStats(_Msg):
     replicas: list[ReplicaMetrics] = []  # per DP replica (one entry per replica when data_parallel_size > 1)
     ranks: list[RankMetrics] = []  # per rank, multi-rank engines only
     eplb_balancedness: list[float] = []  # per MoE layer: mean / max tokens per EP rank over the stats window
+    eplb: EplbMetrics | None = None  # live EPLB counters (EPLB only)
 
 
 class EngineOutputs(_Msg):

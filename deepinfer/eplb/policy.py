@@ -223,6 +223,14 @@ def balancedness(weight: torch.Tensor, phy2log: torch.Tensor, num_gpus: int, log
     return float(torch.where(peak > 0, loads.mean(1) / peak.clamp_min(1e-300), 1.0).mean())
 
 
+def placement_balancedness(weight: torch.Tensor, phy2log: torch.Tensor, num_gpus: int) -> list[float]:
+    """Per layer mean / max GPU load of `weight` [layers, experts] under `phy2log` (replica counts from it)."""
+    logcnt = torch.stack([torch.bincount(row, minlength=weight.shape[1]) for row in phy2log.long()])
+    loads = gpu_loads(weight, phy2log.long(), num_gpus, logcnt.clamp_min(1))
+    peak = loads.max(1).values
+    return torch.where(peak > 0, loads.mean(1) / peak.clamp_min(1e-300), 1.0).tolist()
+
+
 def validate_placement(phy2log: torch.Tensor, num_gpus: int | None = None, num_logical: int | None = None) -> None:
     """ValueError naming the problem unless phy2log is [layers, slots] of expert ids in which every logical
     expert (0..num_logical - 1, default max id + 1) has >= 1 replica and the slots split evenly over num_gpus."""

@@ -56,6 +56,7 @@ class _EngineStatsCollector:
         yield from _per_replica(getattr(s, "replicas", None) or [])
         yield from _per_rank(getattr(s, "ranks", None) or [])
         yield from _eplb(getattr(s, "eplb_balancedness", None) or [])
+        yield from _eplb_live(getattr(s, "eplb", None))
 
 
 def _per_replica(replicas) -> Iterator[Metric]:
@@ -98,6 +99,25 @@ def _eplb(per_layer: list[float]) -> Iterator[Metric]:
     yield layers
     yield GaugeMetricFamily(PREFIX + "eplb_balancedness", "mean over MoE layers of mean / max tokens per "
                             "expert-parallel rank, over the expert-load window", value=sum(per_layer) / len(per_layer))
+
+
+def _eplb_live(eplb) -> Iterator[Metric]:
+    """Live EPLB: rebalances, weights moved and the time it took, balance before / after the last rebalance."""
+    if eplb is None:
+        return
+    counters = {"eplb_rebalances": ("EPLB placements computed", eplb.rebalances),
+                "eplb_layers_moved": ("MoE layers whose expert weights EPLB moved", eplb.layers_moved),
+                "eplb_experts_moved": ("expert weight copies EPLB sent between ranks", eplb.experts_moved),
+                "eplb_move_seconds": ("seconds the slowest rank spent moving expert weights", eplb.move_seconds)}
+    for name, (doc, value) in counters.items():
+        yield CounterMetricFamily(PREFIX + name, doc, value=value)
+    last = GaugeMetricFamily(PREFIX + "eplb_last_rebalance_balancedness", "mean over MoE layers of the "
+                             "balancedness at the last rebalance, of the placement before and of the one chosen",
+                             labels=["when"])
+    for when, values in (("before", eplb.balancedness_before), ("after", eplb.balancedness_after)):
+        if values:
+            last.add_metric([when], sum(values) / len(values))
+    yield last
 
 
 def _accepted_per_position(s) -> Metric:
