@@ -15,9 +15,11 @@ from test_server import _get_status, _sse_events, running_server, tiny_checkpoin
 
 from deepinfer import LLM, SamplingParams
 
-# async scheduling: rank stats requests then interleave with steps in flight
+# async scheduling: rank stats requests then interleave with steps in flight; live EPLB with redundant experts
+# rebalances every 2 steps while the completions below run (tokens must not change)
 LAYOUT = ["--data-parallel-size", "2", "--enable-expert-parallel", "--async-scheduling",
-          "--distributed-timeout-s", "30"]
+          "--distributed-timeout-s", "30", "--enable-eplb", "--eplb-step-interval", "2",
+          "--num-redundant-experts", "2"]
 
 
 @pytest.fixture(scope="module")
@@ -58,6 +60,11 @@ def test_completions_match_one_process(server, ckpt):
     balance = [line for line in metrics.splitlines() if line.startswith("deepinfer:eplb_balancedness ")]
     assert balance and 0 < float(balance[0].split()[1]) <= 1  # the EP stats window reached /metrics
     assert 'deepinfer:eplb_balancedness_per_layer{layer="0"}' in metrics
+    rebalances = [line for line in metrics.splitlines() if line.startswith("deepinfer:eplb_rebalances_total ")]
+    assert rebalances and float(rebalances[0].split()[1]) >= 1  # live EPLB ran during the completions
+    for name in ("eplb_layers_moved_total", "eplb_experts_moved_total", "eplb_move_seconds_total"):
+        assert f"deepinfer:{name} " in metrics
+    assert 'deepinfer:eplb_last_rebalance_balancedness{when="after"}' in metrics
 
 
 def test_killed_rank_fails_requests_and_the_server_exits(server):

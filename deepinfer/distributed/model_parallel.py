@@ -201,6 +201,7 @@ class ParallelExperts(nn.Module):
         self.w13 = nn.Parameter(torch.zeros(len(self.local), 2 * local_inter, dim))
         self.w2 = nn.Parameter(torch.zeros(len(self.local), dim, local_inter))
         self.tag = mp.register(self) if mp.expert_parallel else 0
+        self.rows_served = 0  # EP: (token, k) rows this rank's slots computed, all rounds (drained ones too)
 
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         """sum_k weight_k * expert_{id_k}(x) for every row of x [N, D] (global ids [N, K])."""
@@ -216,6 +217,7 @@ class ParallelExperts(nn.Module):
 
     def local_outputs(self, work: LocalWork) -> torch.Tensor:
         """This rank's expert slots on a dispatched round's rows (unweighted), GEMMs shaped by the global plan."""
+        self.rows_served += work.x.shape[0]  # the physical load of this rank's slots (a shape: no sync)
         slots = self.placement.local_slots(self.mp.ep_rank)
         return _local_expert_outputs(work, self.w13, self.w2, self.limit,
                                      self.placement.slot_experts[slots.start:slots.stop])

@@ -78,6 +78,7 @@ class RankStats:
     expert_load: list | None = None  # [MoE layers][experts] tokens this rank routed over the window (EP only)
     expert_placement: list | None = None  # [MoE layers][slots] logical expert of each slot (EP only)
     eplb: dict | None = None  # eplb_runtime.EplbCounters as a dict (EPLB only)
+    rows_served: list | None = None  # per MoE layer, (token, k) rows this rank's expert slots computed (EP only)
 
 
 def run_rank(rank: int, layout: RankLayout, spec: WorkerSpec) -> None:
@@ -188,7 +189,8 @@ class RankWorker:
         rebalancer = self.parallel.rebalancer
         return RankStats(self.rank, self.dp_rank, self.tp_rank, _nbytes(tensors), _nbytes(experts),
                          peak_rss_bytes(), moe, self.steps, None if load is None else load.totals().tolist(),
-                         placement, None if rebalancer is None else asdict(rebalancer.counters))
+                         placement, None if rebalancer is None else asdict(rebalancer.counters),
+                         [e.rows_served for e in self.parallel.experts] if self.parallel.expert_parallel else None)
 
     def execute(self, plan: ReplicaPlan, pending_mask: Future | None = None):
         """Run this replica's plan (None when idle), then join the step's remaining EP rounds (with two-batch

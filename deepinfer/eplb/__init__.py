@@ -1,6 +1,7 @@
 """Expert-parallel load balancing (EPLB): the placement policy as pure functions (policy.py), expert-load
-statistics (stats.py), `deepinfer eplb` (cli.py). Serving with a computed placement, redundant experts and live
-rebalancing are not wired in yet (docs/eplb.md)."""
+statistics (stats.py), `deepinfer eplb` (cli.py). The mechanisms live next to the tensors: serving a placement
+with replicas in distributed/moe_comm.py, weight moves in distributed/expert_move.py, live rebalancing in
+distributed/eplb_runtime.py (docs/eplb.md)."""
 
 from deepinfer.eplb.policy import (
     Topology,
@@ -8,6 +9,7 @@ from deepinfer.eplb.policy import (
     gpu_loads,
     load_placement,
     moved_slots,
+    placement_balancedness,
     rebalance_experts,
     rebalance_experts_migration_aware,
     save_placement,
@@ -20,6 +22,7 @@ __all__ = [
     "gpu_loads",
     "load_placement",
     "moved_slots",
+    "placement_balancedness",
     "rebalance_experts",
     "rebalance_experts_migration_aware",
     "save_placement",
