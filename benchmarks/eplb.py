@@ -143,7 +143,8 @@ def main() -> None:
         r["greedy_tokens_equal_static"] = r.pop("tokens") == reference
     RESULTS.mkdir(exist_ok=True)
     out = {"workload": {"experts": EXPERTS, "topk": TOPK, "ep": EP, "requests_per_phase": requests,
-                        "prompt_tokens": PROMPT_TOKENS, "max_tokens": MAX_TOKENS, "bias_scale": BIAS_SCALE, "gate_std": GATE_STD},
+                        "prompt_tokens": PROMPT_TOKENS, "max_tokens": MAX_TOKENS, "bias_scale": BIAS_SCALE,
+                        "gate_std": GATE_STD},
            "results": results}
     (RESULTS / "eplb.json").write_text(json.dumps(out, indent=2) + "\n")
     plot(results, RESULTS / "eplb.png")
