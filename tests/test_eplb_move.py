@@ -193,7 +193,7 @@ def spawn(world: int, out_dir) -> list[dict]:
     return [torch.load(out_dir / f"rank{r}.pt") for r in range(world)]
 
 
-@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("world", [2, 4])
 def test_moves_and_replicated_dispatch(world, tmp_path):
     results = spawn(world, tmp_path)
     for rank in range(world):

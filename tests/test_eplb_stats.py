@@ -42,6 +42,26 @@ def test_stats_file_round_trip_and_errors(tmp_path):
         load_expert_load(tmp_path / "bad.json")
 
 
+def test_stats_from_a_metrics_scrape(tmp_path):
+    """/metrics exports the window per (layer, expert); `deepinfer eplb --stats` reads a saved scrape."""
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from deepinfer.engine.messages import EngineStats
+    from deepinfer.eplb.stats import PROMETHEUS_METRIC
+    from deepinfer.server.metrics import EXPERT_LOAD_METRIC, PREFIX, _EngineStatsCollector
+
+    assert PREFIX + EXPERT_LOAD_METRIC == PROMETHEUS_METRIC
+    load = [[5, 0, 7], [1, 2, 3]]
+    stats = EngineStats(0, 0, 0.0, 0, 0, 0, 0, 0, 0.0, eplb_expert_load=load)
+    registry = CollectorRegistry()
+    registry.register(_EngineStatsCollector(lambda: stats))
+    (tmp_path / "scrape.txt").write_bytes(generate_latest(registry))
+    assert load_expert_load(tmp_path / "scrape.txt").tolist() == load
+    (tmp_path / "empty.txt").write_text("# nothing here\n")
+    with pytest.raises(ValueError, match="no deepinfer:eplb_expert_load samples"):
+        load_expert_load(tmp_path / "empty.txt")
+
+
 def test_offline_placement_from_recorded_load(tmp_path, capsys):
     """Skewed load (two hot experts on rank 0): the placement balances it better than the contiguous one."""
     load = torch.tensor([[100, 90, 5, 5, 5, 5, 5, 5]] * 3)

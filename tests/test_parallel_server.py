@@ -65,6 +65,7 @@ def test_completions_match_one_process(server, ckpt):
     for name in ("eplb_layers_moved_total", "eplb_experts_moved_total", "eplb_move_seconds_total"):
         assert f"deepinfer:{name} " in metrics
     assert 'deepinfer:eplb_last_rebalance_balancedness{when="after"}' in metrics
+    assert 'deepinfer:eplb_expert_load{expert="7",layer="0"}' in metrics  # what `deepinfer eplb --stats` reads
 
 
 def test_killed_rank_fails_requests_and_the_server_exits(server):

@@ -227,16 +227,17 @@ def _replica_metrics(d: int, core: EngineCore) -> ReplicaMetrics:
     return ReplicaMetrics(d, len(sched.running), len(sched.waiting), core.kv.usage())
 
 
-def _rank_metrics(core) -> tuple[list[RankMetrics], list[float], EplbMetrics | None]:
-    """(per rank metrics, per MoE layer EP balancedness, EPLB counters), asked of the ranks between steps (one
-    round trip)."""
+def _rank_metrics(core) -> tuple[list[RankMetrics], list[float], EplbMetrics | None, list[list[int]]]:
+    """(per rank metrics, per MoE layer EP balancedness, EPLB counters, expert load), asked of the ranks between
+    steps (one round trip)."""
     executor = core.executor
     if executor is None:
-        return [], [], None
+        return [], [], None, []
     stats = executor.rank_stats()
     ranks = [RankMetrics(s.rank, s.dp_rank, s.tp_rank, s.param_bytes, s.expert_param_bytes, s.peak_rss_bytes,
                          s.moe_payload_bytes, s.steps) for s in stats]
-    return ranks, executor.expert_balancedness(stats), _eplb_metrics(stats)
+    load = executor.expert_load(stats)
+    return ranks, executor.expert_balancedness(stats), _eplb_metrics(stats), [] if load is None else load.tolist()
 
 
 def _eplb_metrics(stats) -> EplbMetrics | None:

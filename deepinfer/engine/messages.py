@@ -142,6 +142,7 @@ class EngineStats(_Msg):
     ranks: list[RankMetrics] = []  # per rank, multi-rank engines only
     eplb_balancedness: list[float] = []  # per MoE layer: mean / max tokens per EP rank over the stats window
     eplb: EplbMetrics | None = None  # live EPLB counters (EPLB only)
+    eplb_expert_load: list[list[int]] = []  # [MoE layer][logical expert] tokens over the window, all ranks (EP)
 
 
 class EngineOutputs(_Msg):

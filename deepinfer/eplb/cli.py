@@ -9,7 +9,8 @@ import torch
 
 def add_parser(commands) -> None:
     sub = commands.add_parser("eplb", help="compute an expert placement from recorded expert load (docs/eplb.md)")
-    sub.add_argument("--stats", required=True, metavar="FILE", help="expert-load file (LLM.expert_load, saved)")
+    sub.add_argument("--stats", required=True, metavar="FILE",
+                     help="expert-load file (LLM.expert_load, saved) or a saved /metrics scrape")
     sub.add_argument("--num-gpus", type=int, required=True, help="expert-parallel ranks")
     sub.add_argument("--num-nodes", type=int, default=1, help="server nodes (replicas stay inside one)")
     sub.add_argument("--num-groups", type=int, default=1, help="expert groups (packed whole onto nodes)")

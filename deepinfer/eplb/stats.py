@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 FORMAT = "deepinfer-expert-load"
+PROMETHEUS_METRIC = "deepinfer:eplb_expert_load"  # server/metrics.py exports it
 
 
 class ExpertLoad:
@@ -66,11 +67,42 @@ def save_expert_load(path: str | Path, load: torch.Tensor) -> None:
 
 
 def load_expert_load(path: str | Path) -> torch.Tensor:
+    """[layers, experts] from a save_expert_load file or a saved `/metrics` scrape (its eplb_expert_load)."""
     try:
-        raw = json.loads(Path(path).read_text())
-    except (OSError, json.JSONDecodeError) as e:
+        text = Path(path).read_text()
+    except OSError as e:
+        raise ValueError(f"{path}: not readable ({e})") from e
+    if text.lstrip().startswith("{"):
+        return _from_json(path, text)
+    return _from_prometheus(path, text)
+
+
+def _from_json(path, text: str) -> torch.Tensor:
+    try:
+        raw = json.loads(text)
+    except json.JSONDecodeError as e:
         raise ValueError(f"{path}: not a readable expert-load file ({e})") from e
     rows = raw.get("expert_load") if isinstance(raw, dict) and raw.get("format") == FORMAT else None
     if not rows or not all(isinstance(r, list) and len(r) == len(rows[0]) for r in rows):
         raise ValueError(f"{path}: expected {{'format': {FORMAT!r}, 'expert_load': [[tokens per expert] per layer]}}")
     return torch.tensor(rows, dtype=torch.float64)
+
+
+def _from_prometheus(path, text: str) -> torch.Tensor:
+    """The {layer, expert} samples of PROMETHEUS_METRIC in a Prometheus text scrape, as a dense table."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    try:
+        samples = [s for f in text_string_to_metric_families(text) if f.name == PROMETHEUS_METRIC for s in f.samples]
+    except ValueError as e:
+        raise ValueError(f"{path}: neither an expert-load file nor a Prometheus scrape ({e})") from e
+    if not samples:
+        raise ValueError(f"{path}: no {PROMETHEUS_METRIC} samples (a scrape of an expert-parallel engine's /metrics)")
+    cells = {(int(s.labels["layer"]), int(s.labels["expert"])): s.value for s in samples}
+    layers, experts = (max(k[i] for k in cells) + 1 for i in (0, 1))
+    if len(cells) != layers * experts:
+        raise ValueError(f"{path}: {PROMETHEUS_METRIC} misses some (layer, expert) samples")
+    load = torch.zeros(layers, experts, dtype=torch.float64)
+    for (layer, expert), value in cells.items():
+        load[layer, expert] = value
+    return load

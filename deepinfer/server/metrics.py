@@ -17,6 +17,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 PREFIX = "deepinfer:"
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
                     10.0, 20.0, 40.0, 80.0, 160.0, 640.0)
+EXPERT_LOAD_METRIC = "eplb_expert_load"  # eplb.stats reads scrapes of it
 _E2E_BUCKETS = (0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
                 240.0, 480.0, 960.0, 1920.0)
 
@@ -57,6 +58,7 @@ class _EngineStatsCollector:
         yield from _per_rank(getattr(s, "ranks", None) or [])
         yield from _eplb(getattr(s, "eplb_balancedness", None) or [])
         yield from _eplb_live(getattr(s, "eplb", None))
+        yield from _expert_load(getattr(s, "eplb_expert_load", None) or [])
 
 
 def _per_replica(replicas) -> Iterator[Metric]:
@@ -99,6 +101,18 @@ def _eplb(per_layer: list[float]) -> Iterator[Metric]:
     yield layers
     yield GaugeMetricFamily(PREFIX + "eplb_balancedness", "mean over MoE layers of mean / max tokens per "
                             "expert-parallel rank, over the expert-load window", value=sum(per_layer) / len(per_layer))
+
+
+def _expert_load(load: list[list[int]]) -> Iterator[Metric]:
+    """The EP load window per (MoE layer, logical expert): what `deepinfer eplb --stats` reads from a scrape."""
+    if not load:
+        return
+    family = GaugeMetricFamily(PREFIX + EXPERT_LOAD_METRIC, "tokens routed to the logical expert of the MoE layer "
+                               "over the expert-load window, summed over the ranks", labels=["layer", "expert"])
+    for layer, row in enumerate(load):
+        for expert, tokens in enumerate(row):
+            family.add_metric([str(layer), str(expert)], tokens)
+    yield family
 
 
 def _eplb_live(eplb) -> Iterator[Metric]:
