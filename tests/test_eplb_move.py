@@ -9,14 +9,9 @@ routed_experts (bit-identical: a replica runs its expert's single-process GEMM s
 
 from __future__ import annotations
 
-import os
-import traceback
-from datetime import timedelta
-
 import pytest
 import torch
-import torch.distributed as dist
-from test_moe_comm import GROUP_TIMEOUT_S, Case, free_port, make_data, reference, token_rows
+from test_moe_comm import Case, make_data, reference, save_rank_results, spawn_group, token_rows
 
 from deepinfer.distributed.expert_move import Transfer, move_plan, move_weights, moved_experts
 from deepinfer.distributed.moe_comm import (
@@ -159,43 +154,13 @@ def run_replicated_dispatch(rank: int, world: int) -> dict[str, torch.Tensor]:
 
 
 def worker(rank: int, world: int, port: int, out_dir: str):
-    torch.set_num_threads(1)
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    try:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                                timeout=timedelta(seconds=GROUP_TIMEOUT_S))
-        results = {"moves": run_moves(rank, world), "dispatch": run_replicated_dispatch(rank, world)}
-        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
-        dist.destroy_process_group()
-    except BaseException:
-        with open(os.path.join(out_dir, f"rank{rank}.err"), "w") as f:
-            f.write(traceback.format_exc())
-        raise
-
-
-def spawn(world: int, out_dir) -> list[dict]:
-    import multiprocessing
-
-    ctx = multiprocessing.get_context("spawn")
-    port = free_port()
-    procs = [ctx.Process(target=worker, args=(r, world, port, str(out_dir))) for r in range(world)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(JOIN_TIMEOUT_S)
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-            p.join()
-    errors = [out_dir / f"rank{r}.err" for r in range(world) if (out_dir / f"rank{r}.err").exists()]
-    assert not errors, "\n".join(e.read_text() for e in errors)
-    assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
-    return [torch.load(out_dir / f"rank{r}.pt") for r in range(world)]
+    save_rank_results(rank, world, port, out_dir,
+                      lambda: {"moves": run_moves(rank, world), "dispatch": run_replicated_dispatch(rank, world)})
 
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_moves_and_replicated_dispatch(world, tmp_path):
-    results = spawn(world, tmp_path)
+    results = spawn_group(world, None, tmp_path, worker, JOIN_TIMEOUT_S)
     for rank in range(world):
         assert results[rank]["moves"] and all(results[rank]["moves"]), (rank, results[rank]["moves"])
     for i, counts in enumerate([(5,) * world, (0,) + (9,) * (world - 1), (40,) + (3,) * (world - 1)]):

@@ -112,16 +112,25 @@ def rejects_wrong_world(rank: int) -> bool:
 
 
 def worker(rank: int, world: int, port: int, out_dir: str, cases: list[Case]):
+    save_rank_results(rank, world, port, out_dir, lambda: run_cases(cases, rank, world))
+
+
+def run_cases(cases: list[Case], rank: int, world: int) -> dict:
+    results = {case.name: run_case(case, rank, world) for case in cases}
+    if world == 2:
+        results["fp8"] = run_fp8_dispatch(rank, world)
+        results["wrong_world"] = rejects_wrong_world(rank)
+    return results
+
+
+def save_rank_results(rank: int, world: int, port: int, out_dir: str, compute) -> None:
+    """A spawned rank: join the loopback gloo group, save compute()'s results (or the traceback) for the parent."""
     torch.set_num_threads(1)
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # loopback only
     try:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                                 timeout=timedelta(seconds=GROUP_TIMEOUT_S))
-        results = {case.name: run_case(case, rank, world) for case in cases}
-        if world == 2:
-            results["fp8"] = run_fp8_dispatch(rank, world)
-            results["wrong_world"] = rejects_wrong_world(rank)
-        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+        torch.save(compute(), os.path.join(out_dir, f"rank{rank}.pt"))
         dist.destroy_process_group()
     except BaseException:
         with open(os.path.join(out_dir, f"rank{rank}.err"), "w") as f:
@@ -135,15 +144,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def spawn_group(world: int, cases: list[Case], out_dir) -> list[dict]:
-    """Run worker on world spawned ranks over loopback gloo; every rank's results, or fail with its error."""
+def spawn_group(world: int, cases: list[Case] | None, out_dir, target=None, join_timeout_s: float = JOIN_TIMEOUT_S
+                ) -> list[dict]:
+    """Run target (default worker) as target(rank, world, port, out_dir[, cases]) on world spawned ranks over
+    loopback gloo; every rank's saved results, or fail with its error."""
     ctx = multiprocessing.get_context("spawn")
     port = free_port()
-    procs = [ctx.Process(target=worker, args=(r, world, port, str(out_dir), cases)) for r in range(world)]
+    extra = () if cases is None else (cases,)
+    procs = [ctx.Process(target=target or worker, args=(r, world, port, str(out_dir), *extra)) for r in range(world)]
     for p in procs:
         p.start()
     for p in procs:
-        p.join(JOIN_TIMEOUT_S)
+        p.join(join_timeout_s)
     for p in procs:
         if p.is_alive():
             p.kill()
