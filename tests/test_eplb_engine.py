@@ -87,6 +87,18 @@ def test_live_eplb_under_two_batch_overlap(v4_ckpt, v4_single):
     check_rebalanced(stats, 2, 8 + 2)
 
 
+def test_live_eplb_with_mtp_speculation(v4_ckpt, v4_single, tmp_path):
+    """The MTP layer's experts are a layer of their own: drafting loads them, and EPLB balances them too."""
+    from test_spec_decode import _with_mtp
+
+    spec = {"method": "mtp", "num_speculative_tokens": 1}
+    got, stats = run(_with_mtp(v4_ckpt, tmp_path / "mtp"), speculative_config=spec,
+                     **ep(2, num_redundant_experts=2, **LIVE))
+    assert got == v4_single  # speculation is lossless: the plain model's greedy tokens
+    check_rebalanced(stats, 2, 8 + 2)
+    assert sum(s.rows_served[-1] for s in stats) > 0  # the MTP layer's experts ran
+
+
 def test_static_placement_file(v4_ckpt, v4_single, tmp_path):
     """A placement file (as `deepinfer eplb` writes) is served as given, with its redundant slots."""
     rows = torch.tensor([[7, 6, 5, 4, 3], [2, 1, 0, 7, 7]]).T.reshape(-1)  # expert 7 three times

@@ -113,9 +113,6 @@ class RankWorker:
         prepare_model(self.model, args)
         self.parallel = parallel
         self.runner = self._runner(config, args)
-        if args.eplb.active and parallel.expert_parallel:  # after the MTP layer's experts registered too
-            parallel.rebalancer = ExpertRebalancer(parallel, args.eplb)
-            parallel.rebalancer.start()
         self.overlap = TwoBatchForward(self.model, parallel) if args.two_batch_overlap else None
         if self.overlap is not None:
             self.runner.forward = self.overlap
@@ -124,8 +121,11 @@ class RankWorker:
 
     def _runner(self, config: ModelConfig, args: EngineArgs) -> ModelRunner:
         max_model_len = args.max_model_len or config.max_position
-        layout = agree_layout(plan_layout(self.model, args, max_model_len, self.device), self.groups.control)
         proposer = build_proposer(args.speculative, self.model, self.spec.model_path)
+        if args.eplb.active and self.parallel.expert_parallel:  # every MoE layer (MTP's too) is registered now
+            self.parallel.rebalancer = ExpertRebalancer(self.parallel, args.eplb)
+            self.parallel.rebalancer.start()  # before the KV budget is measured: redundant slots count
+        layout = agree_layout(plan_layout(self.model, args, max_model_len, self.device), self.groups.control)
         return ModelRunner(self.model, layout, self.device, args.deterministic, args.seed, proposer,
                            cache_specs(self.model, args, layout.block_size))
 
