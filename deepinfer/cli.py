@@ -326,6 +326,11 @@ def _add_serve_parser(commands) -> None:
                      help="log one line per HTTP request")
     sub.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"),
                      help="uvicorn's log level (default: %(default)s)")
+    sub.add_argument("--data-parallel-replicas", type=int, default=1, metavar="N",
+                     help="N engine processes (each with the engine options below) behind this server, routed "
+                          "by --router-policy (default: %(default)s)")
+    sub.add_argument("--router-policy", choices=("cache_aware", "least_loaded", "round_robin"),
+                     default="cache_aware", help="how --data-parallel-replicas routes (default: %(default)s)")
     add_engine_args(sub)
     sub.set_defaults(handler=run_serve)
 

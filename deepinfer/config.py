@@ -586,6 +586,8 @@ class EngineArgs:
     eplb_layers_per_step: int = 1
     num_redundant_experts: int = 0
     eplb_placement: str | None = None
+    # publish prefix-cache events (stored / evicted block hashes) with the engine's outputs, for a DP router
+    kv_events: bool = False
 
     def __post_init__(self):
         _ = self.parallel  # validates the sizes

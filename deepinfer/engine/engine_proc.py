@@ -268,6 +268,9 @@ class _Server:
     def __init__(self, loop: EngineLoop, inp: zmq.Socket, out: zmq.Socket, parent_pid: int | None):
         self.loop, self.inp, self.out, self.parent_pid = loop, inp, out, parent_pid
         self.last_stats = 0.0
+        self.pools = [c.kv.pool for c in replicas(loop.core)] if loop.core.args.kv_events else []
+        for pool in self.pools:
+            pool.record_events()
         self.dirty = True  # something changed since stats were last sent
 
     def run(self) -> None:
@@ -315,12 +318,13 @@ class _Server:
         self.dirty = self.dirty or bool(outputs)
         idle = not self.loop.core.has_unfinished
         stats_due = now - self.last_stats >= STATS_INTERVAL_S or (idle and self.dirty)
-        if not outputs and not stats_due:
+        events = [e for pool in self.pools for e in pool.drain_events()]
+        if not outputs and not stats_due and not events:
             return
         stats = self.loop.stats() if stats_due else None
         if stats_due:
             self.last_stats, self.dirty = now, False
-        self.out.send(encode(EngineOutputs(outputs, stats)), copy=False)
+        self.out.send(encode(EngineOutputs(outputs, stats, events)), copy=False)
 
 
 def build_core(model_path: str | None, engine_kwargs: dict) -> EngineCore:

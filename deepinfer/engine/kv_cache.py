@@ -22,6 +22,9 @@ class BlockPool:
 
     def __init__(self, num_blocks: int):
         self.num_blocks = num_blocks
+        # Prefix-cache events for a DP router (router/state.py), when someone drains them: ("stored", hash),
+        # ("evicted", hash), ("cleared", None), in the order they happened. None: not recorded.
+        self.events: list[tuple[str, bytes | None]] | None = None
         self._free = list(range(num_blocks - 1, -1, -1))
         self._refs = [0] * num_blocks
         self._hash_of: dict[int, bytes] = {}  # cached block -> its chained hash
@@ -44,7 +47,9 @@ class BlockPool:
         if self._free:
             return self._free.pop()
         block, _ = self._evictable.popitem(last=False)
-        del self._block_of[self._hash_of.pop(block)]
+        block_hash = self._hash_of.pop(block)
+        del self._block_of[block_hash]
+        self._event("evicted", block_hash)
         return block
 
     def share(self, ids: list[int]) -> None:
@@ -74,6 +79,7 @@ class BlockPool:
         if block_hash not in self._block_of and block not in self._hash_of:
             self._block_of[block_hash] = block
             self._hash_of[block] = block_hash
+            self._event("stored", block_hash)
 
     def reset_cache(self) -> None:
         """Forget every cached hash; unreferenced cached blocks become plain free blocks."""
@@ -81,6 +87,23 @@ class BlockPool:
         self._evictable.clear()
         self._hash_of.clear()
         self._block_of.clear()
+        self._event("cleared", None)
+
+    def record_events(self) -> None:
+        """Start recording prefix-cache events (a router needs the full history: call before serving)."""
+        if self.events is None:
+            self.events = []
+
+    def drain_events(self) -> list[tuple[str, bytes | None]]:
+        """The events since the last drain ([] when not recording)."""
+        if self.events is None:
+            return []
+        out, self.events = self.events, []
+        return out
+
+    def _event(self, kind: str, block_hash: bytes | None) -> None:
+        if self.events is not None:
+            self.events.append((kind, block_hash))
 
     @property
     def num_cached(self) -> int:

@@ -80,6 +80,7 @@ class AsyncEngineClient:
         self._streams: dict[str, _Stream] = {}
         self._outbox: asyncio.Queue[bytes] = asyncio.Queue()
         self._stats: EngineStats | None = None
+        self.on_kv_events = None  # called with each message's prefix-cache events (engine option kv_events)
         self._watchdog_task = asyncio.create_task(self._watchdog())
         self._io_tasks = [asyncio.create_task(self._send_loop()), asyncio.create_task(self._receive_loop())]
 
@@ -216,6 +217,8 @@ class AsyncEngineClient:
     def _dispatch(self, msg) -> None:
         if isinstance(msg, EngineOutputs):
             self._stats = msg.stats or self._stats
+            if msg.kv_events and self.on_kv_events is not None:
+                self.on_kv_events(msg.kv_events)
             for out in msg.outputs:
                 self._deliver(out)
         elif isinstance(msg, RequestError):

@@ -118,7 +118,7 @@ def _load_tokenizer(directory: Path) -> Tokenizer | None:
 
 async def _serve(args, sock: socket.socket, model: str, engine_kwargs: dict, settings: ServerSettings,
                  tokenizer) -> int:
-    client = await AsyncEngineClient.start(model, engine_kwargs)
+    client = await _start_engines(args, model, engine_kwargs)
     serving = None
     try:
         serving = Serving(client, tokenizer, settings, Metrics(client.stats))
@@ -132,6 +132,19 @@ async def _serve(args, sock: socket.socket, model: str, engine_kwargs: dict, set
             serving.close()
         await client.shutdown()
     return EXIT_ENGINE_DEAD if client.dead else 0
+
+
+async def _start_engines(args, model: str, engine_kwargs: dict):
+    """One engine process, or --data-parallel-replicas of them behind a router (deepinfer/router)."""
+    replicas = getattr(args, "data_parallel_replicas", 1)
+    if replicas < 1:
+        raise RuntimeError(f"--data-parallel-replicas must be >= 1, got {replicas}")
+    if replicas == 1:
+        return await AsyncEngineClient.start(model, engine_kwargs)
+    from deepinfer.router.policy import RouterConfig
+    from deepinfer.router.replicas import ReplicatedEngineClient
+
+    return await ReplicatedEngineClient.start(model, engine_kwargs, replicas, RouterConfig(args.router_policy))
 
 
 def _uvicorn_config(args, app) -> uvicorn.Config:

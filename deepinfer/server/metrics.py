@@ -59,6 +59,7 @@ class _EngineStatsCollector:
         yield from _eplb(getattr(s, "eplb_balancedness", None) or [])
         yield from _eplb_live(getattr(s, "eplb", None))
         yield from _expert_load(getattr(s, "eplb_expert_load", None) or [])
+        yield from _router(getattr(s, "router_decisions", None) or {})
 
 
 def _per_replica(replicas) -> Iterator[Metric]:
@@ -101,6 +102,17 @@ def _eplb(per_layer: list[float]) -> Iterator[Metric]:
     yield layers
     yield GaugeMetricFamily(PREFIX + "eplb_balancedness", "mean over MoE layers of mean / max tokens per "
                             "expert-parallel rank, over the expert-load window", value=sum(per_layer) / len(per_layer))
+
+
+def _router(decisions: dict[str, int]) -> Iterator[Metric]:
+    """--data-parallel-replicas: requests routed, by the router's decision (prefix, sticky, imbalance, ...)."""
+    if not decisions:
+        return
+    family = CounterMetricFamily(PREFIX + "router_requests", "requests routed to an engine replica, by decision",
+                                 labels=["decision"])
+    for reason, count in sorted(decisions.items()):
+        family.add_metric([reason], count)
+    yield family
 
 
 def _expert_load(load: list[list[int]]) -> Iterator[Metric]:
