@@ -80,25 +80,60 @@ def test_killed_replica_fails_only_its_requests(ckpt):
     async def scenario():
         client = await ReplicatedEngineClient.start(ckpt, KWARGS, 2, RouterConfig("round_robin"))
         try:
-            long = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
+            long = SamplingParams(temperature=0, max_tokens=120, ignore_eos=True)
             streams = [client.generate(f"long{i}", [5, 6, 7, i], long) for i in range(2)]
             firsts = [await s.__anext__() for s in streams]  # both running, one per replica
             victim = client._owner["long0"]
             os.kill(client.clients[victim].process.pid, signal.SIGKILL)
-            finals = []
-            for first, stream in zip(firsts, streams):
-                last = first
-                async for out in stream:
-                    last = out
-                finals.append(last)
-            assert finals[0].finish_reason == "error" and finals[1].finish_reason == "length"
+            last = firsts[0]
+            async for out in streams[0]:
+                last = out
+            assert last.finish_reason == "error"  # the victim's request fails
             for _ in range(50):
-                if not client.state.healthy >= {victim}:
+                if victim not in client.state.healthy:
                     break
-                await asyncio.sleep(0.1)
+                await asyncio.sleep(0.02)
             assert client.state.healthy == {1 - victim} and not client.dead
+            last = firsts[1]
+            async for out in streams[1]:
+                last = out
+            assert last.finish_reason == "length"  # the survivor's runs to its end
             after = await _tokens(client, 99, [9, 9, 9])  # routed to the survivor
             assert len(after) == 2
+            for _ in range(300):  # a fresh engine process takes the lost one's place
+                if client.state.healthy == {0, 1}:
+                    break
+                await asyncio.sleep(0.1)
+            assert client.state.healthy == {0, 1} and client.restarts == 1
+            assert [len(await _tokens(client, 100 + i, [4, 4, i])) for i in range(2)] == [2, 2]
+            assert client.routed[victim] >= 2  # it serves again
+        finally:
+            await client.shutdown()
+
+    asyncio.run(scenario())
+
+
+def test_hung_replica_leaves_rotation_and_unstarted_requests_retry(ckpt):
+    """SIGSTOP one replica: within the hang timeout it is given up (killed, restarted later); its running
+    request fails, and a request routed to it that had produced nothing yet completes on the other."""
+    async def scenario():
+        client = await ReplicatedEngineClient.start(ckpt, KWARGS, 2, RouterConfig("round_robin"))
+        try:
+            long = SamplingParams(temperature=0, max_tokens=120, ignore_eos=True)
+            running = client.generate("long0", [5, 6, 7], long)
+            await running.__anext__()
+            victim = client._owner["long0"]
+            os.kill(client.clients[victim].process.pid, signal.SIGSTOP)
+            client.state.turn = victim  # round-robin: the next request goes to the hung replica too
+            started = time.monotonic()
+            retried = asyncio.create_task(_tokens(client, 1, [8, 8, 8]))
+            last = None
+            async for out in running:
+                last = out
+            assert last.finish_reason == "error" and "hung" in last.error
+            assert time.monotonic() - started < 2.0 + 1.5  # the hang timeout plus a few health ticks
+            assert len(await retried) == 2  # went to the hung replica, got nothing, retried on the other
+            assert victim not in client.state.healthy or client.restarts == 1
         finally:
             await client.shutdown()
 

@@ -8,8 +8,11 @@ request starts and ends here, so the load needs no polling: cost = prompt + max_
 
 Invariants:
 - A request's outputs, aborts and sample aborts all go to the replica it was routed to.
-- A dead replica leaves rotation at once (its AsyncEngineClient fails its in-flight requests with an error
-  output); the others keep serving. The client is dead, and the server exits, only when every replica is.
+- A dead replica (its process exited) or a hung one (no message, stats included, for `hang_timeout_s`; engines
+  report at least every 0.25 s) leaves rotation at once: its in-flight requests end with an error output (a
+  request that got nothing yet is retried once on another replica), the others keep serving, and a fresh
+  engine process is started in its place, which rejoins rotation when it is ready. The client is dead, and
+  the server exits, only when every replica is dead at once.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import time
 from collections import Counter
 from collections.abc import AsyncIterator, Sequence
 
@@ -30,18 +34,29 @@ from deepinfer.server.engine_client import AsyncEngineClient, EngineDeadError
 logger = logging.getLogger("deepinfer.router")
 
 
+HANG_TIMEOUT_S = 2.0
+HEALTH_INTERVAL_S = 0.25
+RESTART_BACKOFF_S = 1.0
+
+
 class ReplicatedEngineClient:
-    def __init__(self, clients: Sequence[AsyncEngineClient], config: RouterConfig):
+    def __init__(self, clients: Sequence[AsyncEngineClient], config: RouterConfig, model: str | None = None,
+                 engine_kwargs: dict | None = None, hang_timeout_s: float = HANG_TIMEOUT_S):
+        """engine_kwargs (with model) lets a lost replica be restarted; None: it stays out of rotation."""
         self.clients, self.config = list(clients), config
+        self.model, self.engine_kwargs, self.hang_timeout_s = model, engine_kwargs, hang_timeout_s
+        self.restarts = 0
         self.ready = self.clients[0].ready
         self.state = RouterState(config, range(len(self.clients)))
         self.decisions: Counter[str] = Counter()  # routed requests by decision reason
+        self.routed: Counter[int] = Counter()  # routed requests by replica
         self.dead_event = asyncio.Event()
         self.closed = False
         self._owner: dict[str, int] = {}
         for i, client in enumerate(self.clients):
-            client.on_kv_events = lambda events, i=i: self.state.apply_events(i, events)
+            self._attach(i, client)
         self._watchers = [asyncio.create_task(self._watch(i)) for i in range(len(self.clients))]
+        self._watchers.append(asyncio.create_task(self._health()))
 
     @classmethod
     async def start(cls, model: str | None, engine_kwargs: dict, replicas: int, config: RouterConfig,
@@ -54,7 +69,7 @@ class ReplicatedEngineClient:
         if failed:
             await asyncio.gather(*(c.shutdown() for c in started if not isinstance(c, BaseException)))
             raise failed[0]
-        return cls(started, config)
+        return cls(started, config, model, kwargs)
 
     @property
     def dead(self) -> bool:
@@ -70,20 +85,29 @@ class ReplicatedEngineClient:
         self.closed = True
         for task in self._watchers:
             task.cancel()
+        await asyncio.gather(*self._watchers, return_exceptions=True)
         await asyncio.gather(*(c.shutdown(timeout) for c in self.clients))
 
     # --- requests --------------------------------------------------------------------------------
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                        priority: int = 0, cache_salt: str | None = None) -> AsyncIterator:
-        """AsyncEngineClient.generate on the replica the router picks for the request."""
-        replica, cost = self._route(request_id, prompt_token_ids, params, cache_salt)
-        try:
-            async for out in self.clients[replica].generate(request_id, prompt_token_ids, params, priority,
-                                                            cache_salt):
-                yield out
-        finally:
-            self._owner.pop(request_id, None)
-            self.state.finished(replica, cost)
+        """AsyncEngineClient.generate on the replica the router picks for the request; retried once on
+        another replica when its replica is lost before the request produced anything."""
+        for attempt in (0, 1):
+            replica, cost = self._route(request_id, prompt_token_ids, params, cache_salt)
+            client, produced = self.clients[replica], False
+            try:
+                async for out in client.generate(request_id, prompt_token_ids, params, priority, cache_salt):
+                    if not produced and attempt == 0 and out.finish_reason == "error" and client.dead:
+                        break  # lost before anything reached the caller: route again
+                    produced = True
+                    yield out
+            finally:
+                self._owner.pop(request_id, None)
+                self.state.finished(replica, cost)
+            if produced:
+                return
+            logger.warning("request %s: replica %d was lost before it started; retrying", request_id, replica)
 
     def _route(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                cache_salt: str | None) -> tuple[int, int]:
@@ -96,6 +120,7 @@ class ReplicatedEngineClient:
         except NoReplica as e:
             raise EngineDeadError(f"no engine replica is serving: {e}") from None
         self.decisions[decision.reason] += 1
+        self.routed[decision.replica] += 1
         self._owner[request_id] = decision.replica
         return decision.replica, cost
 
@@ -127,13 +152,50 @@ class ReplicatedEngineClient:
         live = [(i, c.stats()) for i, c in enumerate(self.clients) if c.stats() is not None]
         return merge_stats(live, dict(self.decisions)) if live else None
 
+    def _attach(self, replica: int, client: AsyncEngineClient) -> None:
+        client.on_kv_events = lambda events: self.state.apply_events(replica, events)
+
     async def _watch(self, replica: int) -> None:
-        client = self.clients[replica]
-        await client.dead_event.wait()
-        self.state.set_healthy(replica, False)
-        logger.error("engine replica %d left rotation: %s", replica, client.dead_reason)
-        if self.dead:
-            self.dead_event.set()
+        """Take a lost replica out of rotation; restart it (while restarts are possible) and put it back."""
+        while True:
+            client = self.clients[replica]
+            await client.dead_event.wait()
+            self.state.set_healthy(replica, False)
+            logger.error("engine replica %d left rotation: %s", replica, client.dead_reason)
+            if self.dead:
+                self.dead_event.set()
+                return
+            if self.engine_kwargs is None:
+                return
+            await client.shutdown(0.0)
+            self.clients[replica] = await self._restart(replica)
+            self.state.set_healthy(replica, True)
+            logger.info("engine replica %d is back in rotation", replica)
+
+    async def _restart(self, replica: int) -> AsyncEngineClient:
+        while True:
+            try:
+                client = await AsyncEngineClient.start(self.model, self.engine_kwargs)
+            except (RuntimeError, OSError) as e:
+                logger.error("engine replica %d did not restart (%s); retrying", replica, e)
+                await asyncio.sleep(RESTART_BACKOFF_S)
+                continue
+            self.restarts += 1
+            self._attach(replica, client)
+            return client
+
+    async def _health(self) -> None:
+        """A replica silent for hang_timeout_s hangs: give it up. A late tick of this loop (the server's event
+        loop was busy, so messages may be waiting unread) skips the check."""
+        tick = time.monotonic()
+        while True:
+            await asyncio.sleep(HEALTH_INTERVAL_S)
+            now, late = time.monotonic(), time.monotonic() - tick > 4 * HEALTH_INTERVAL_S
+            tick = now
+            for replica, client in enumerate(self.clients):
+                silent = now - client.last_message
+                if not late and not client.dead and replica in self.state.healthy and silent > self.hang_timeout_s:
+                    client.fail(f"engine replica {replica} sent nothing for {silent:.1f} s (hung)")
 
 
 _SUMMED = ("num_running", "num_waiting", "num_free_blocks", "num_blocks", "prompt_tokens_total",

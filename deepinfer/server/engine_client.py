@@ -81,6 +81,7 @@ class AsyncEngineClient:
         self._outbox: asyncio.Queue[bytes] = asyncio.Queue()
         self._stats: EngineStats | None = None
         self.on_kv_events = None  # called with each message's prefix-cache events (engine option kv_events)
+        self.last_message = time.monotonic()  # the engine sends stats at least every ~0.25 s: a heartbeat
         self._watchdog_task = asyncio.create_task(self._watchdog())
         self._io_tasks = [asyncio.create_task(self._send_loop()), asyncio.create_task(self._receive_loop())]
 
@@ -115,11 +116,13 @@ class AsyncEngineClient:
         self._watchdog_task.cancel()
         self._fail_streams("the engine is shutting down")
         self._post(Shutdown())
-        await _stop_process(self.process, timeout)
-        for task in [self._watchdog_task, *self._io_tasks]:
-            task.cancel()
+        try:
+            await _stop_process(self.process, timeout)
+        finally:  # even when cancelled meanwhile: a context left to the GC blocks in term()
+            for task in [self._watchdog_task, *self._io_tasks]:
+                task.cancel()
+            _release(self._ctx, self._tmpdir)
         await asyncio.gather(self._watchdog_task, *self._io_tasks, return_exceptions=True)
-        _release(self._ctx, self._tmpdir)
 
     # --- requests --------------------------------------------------------------------------------
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
@@ -209,6 +212,7 @@ class AsyncEngineClient:
     async def _receive_loop(self) -> None:
         while True:
             data = await self._from_engine.recv()
+            self.last_message = time.monotonic()
             try:
                 self._dispatch(decode_output(data))
             except msgspec.DecodeError:
@@ -244,6 +248,12 @@ class AsyncEngineClient:
         while self.process.exitcode is None:
             await asyncio.sleep(WATCHDOG_INTERVAL_S)
         self._mark_dead(f"the engine process exited unexpectedly (exit code {self.process.exitcode})")
+
+    def fail(self, reason: str) -> None:
+        """Give the engine up (it hangs): fail its requests now and stop its process (so it cannot come back)."""
+        self._mark_dead(reason)
+        if self.process.exitcode is None:
+            self.process.kill()
 
     def _mark_dead(self, reason: str) -> None:
         if self.dead or self.closed:
