@@ -1,14 +1,16 @@
 """Data-parallel routing: round-robin vs least-loaded vs cache-aware over 2 engine replicas of the bundled model,
 on a shared-prefix multi-tenant workload, against one replica's prefix-cache hit rate.
 
-Workload: 6 tenants, each with its own 256-token system prompt (16 blocks), and 8 users per tenant; each request
+Workload: 6 tenants, each with its own 1,024-token system prompt (64 blocks), and 8 users per tenant; each request
 is its tenant's system prompt + a 24-token user turn, 16 greedy tokens. Requests arrive as a Poisson process
 (--rate per second, seeded) in a random tenant order and run concurrently through ReplicatedEngineClient (the
 client `deepinfer serve --data-parallel-replicas` uses). Per policy: output throughput, TTFT p50 / p99 (from
 submission to the first token), the prefix-cache hit rate (cached prompt tokens / prompt tokens looked up, over
 both replicas) and the router's decisions. Writes benchmarks/results/router.json and router.png.
 
-    python benchmarks/router.py [--quick] [--rate R]
+    OMP_NUM_THREADS=1 python benchmarks/router.py [--quick] [--rate R]
+
+(one intra-op thread per engine process, so the two replicas do not oversubscribe a 2-core machine)
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import time
 from pathlib import Path
 
 RESULTS = Path(__file__).parent / "results"
-TENANTS, USERS, SYSTEM_TOKENS, USER_TOKENS, MAX_TOKENS = 6, 8, 256, 24, 16
+TENANTS, USERS, SYSTEM_TOKENS, USER_TOKENS, MAX_TOKENS = 6, 8, 1024, 24, 16
 ENGINE = dict(load_progress=False, kv_cache_memory_bytes=64 * 2**20, max_num_seqs=16)
 POLICIES = ("round_robin", "least_loaded", "cache_aware")
 
@@ -107,7 +109,7 @@ def plot(results: list[dict], path: Path) -> None:
     axes[1].legend()
     axes[2].bar(names, [r["output_tokens_per_s"] for r in runs])
     axes[2].set_ylabel("output tokens / s")
-    fig.suptitle("2 replicas of the bundled model, 6 tenants x shared 256-token system prompts")
+    fig.suptitle(f"2 replicas of the bundled model, {TENANTS} tenants x shared {SYSTEM_TOKENS}-token system prompts")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -115,7 +117,7 @@ def plot(results: list[dict], path: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="3 users per tenant instead of 8")
-    parser.add_argument("--rate", type=float, default=4.0, help="requests per second (default: 4)")
+    parser.add_argument("--rate", type=float, default=6.0, help="requests per second (default: 6)")
     parser.add_argument("--seed", type=int, default=0)
     ns = parser.parse_args()
     prompts = workload(3 if ns.quick else USERS, ns.seed)

@@ -51,6 +51,8 @@ def test_from_phy2log_and_identity():
         placement([0, 0, 1, 1], 3, 2)
     with pytest.raises(ValueError, match="identity placements"):
         q.local_experts(0)
+    with pytest.raises(ValueError, match="never decrease"):
+        ExpertPlacement(4, (0, 3, 2, 4))
 
 
 def test_replicas_split_an_expert_into_even_chunks():
@@ -124,9 +126,12 @@ def run_moves(rank: int, world: int) -> list[bool]:
     return ok
 
 
-def dispatch_case(i: int, counts: tuple[int, ...], world: int) -> Case:
-    """4 + world experts (world extra slots split evenly); case 2 routes every token to expert 0 first."""
-    return Case(f"r{i}", "alltoall", 4 + world, 2, counts, seed=i, skewed=i == 2)
+def dispatch_cases(world: int) -> list[Case]:
+    """4 + world experts (world extra slots split evenly): even, an idle rank, every token to expert 0 first
+    (the per-expert GEMM path, the hot expert's rows split over replicas), and K = 3."""
+    counts = [(5,) * world, (0,) + (9,) * (world - 1), (40,) + (3,) * (world - 1), (7,) * world]
+    return [Case(f"r{i}", "alltoall", 4 + world, 3 if i == 3 else 2, c, seed=i, skewed=i == 2)
+            for i, c in enumerate(counts)]
 
 
 def dispatch_row(case: Case, ids: torch.Tensor, world: int) -> list[int]:
@@ -136,10 +141,9 @@ def dispatch_row(case: Case, ids: torch.Tensor, world: int) -> list[int]:
 
 
 def run_replicated_dispatch(rank: int, world: int) -> dict[str, torch.Tensor]:
-    """Routed experts under random replicated placements, both comms; K = 2 (allgather's exact case)."""
+    """Routed experts under random replicated placements, both comms."""
     out = {}
-    for i, counts in enumerate([(5,) * world, (0,) + (9,) * (world - 1), (40,) + (3,) * (world - 1)]):
-        case = dispatch_case(i, counts, world)
+    for i, case in enumerate(dispatch_cases(world)):
         x, ids, weights, w13, w2 = make_data(case)
         for comm_cls in (AllToAllComm, AllGatherComm):
             row = dispatch_row(case, ids, world) if comm_cls is AllToAllComm else \
@@ -150,6 +154,11 @@ def run_replicated_dispatch(rank: int, world: int) -> dict[str, torch.Tensor]:
             got = ep_routed_experts(*(t[token_rows(case, rank)] for t in (x, ids, weights)), w13[mine], w2[mine], p,
                                     comm_cls(p, rank), case.limit)
             out[f"{case.name}-{comm_cls.name}"] = got
+        perm = torch.randperm(case.experts, generator=torch.Generator().manual_seed(i)).tolist()
+        p = placement(perm, case.experts, world)  # no replicas, experts moved: positions are not sent
+        mine = perm[p.local_slots(rank).start:p.local_slots(rank).stop]
+        out[f"{case.name}-perm"] = ep_routed_experts(*(t[token_rows(case, rank)] for t in (x, ids, weights)),
+                                                     w13[mine], w2[mine], p, AllToAllComm(p, rank), case.limit)
     return out
 
 
@@ -163,12 +172,14 @@ def test_moves_and_replicated_dispatch(world, tmp_path):
     results = spawn_group(world, None, tmp_path, worker, JOIN_TIMEOUT_S)
     for rank in range(world):
         assert results[rank]["moves"] and all(results[rank]["moves"]), (rank, results[rank]["moves"])
-    for i, counts in enumerate([(5,) * world, (0,) + (9,) * (world - 1), (40,) + (3,) * (world - 1)]):
-        case = dispatch_case(i, counts, world)
+    for case in dispatch_cases(world):
         want = reference(case)
         if case.skewed:  # the hot expert is served by several replicas, each on part of its rows
             assert dispatch_row(case, make_data(case)[1], world).count(0) > 1
-        for comm in ("alltoall", "allgather"):
+        for comm in ("alltoall", "allgather", "perm"):
             for rank in range(world):
-                got = results[rank]["dispatch"][f"{case.name}-{comm}"]
-                assert torch.equal(got, want[token_rows(case, rank)]), (case, comm, rank)
+                got, mine = results[rank]["dispatch"][f"{case.name}-{comm}"], want[token_rows(case, rank)]
+                if comm == "allgather" and case.topk > 2:  # its cross-rank sum regroups a token's K terms
+                    torch.testing.assert_close(got, mine, atol=1e-5, rtol=1e-5)
+                else:
+                    assert torch.equal(got, mine), (case, comm, rank)

@@ -335,6 +335,7 @@ def test_bytes_moved_formulas():
     # allgather: pads to the max count (7); alltoall: only real pairs travel, twice (there and back)
     assert bytes_moved("allgather", [7, 0], 4, 2, 2, 2, 5) == 2 * 2 * (24 + 7 * (8 + 16) + 7 * 8)
     assert bytes_moved("alltoall", [7, 0], 4, 2, 2, 2, 5) == 2 * 2 * 6 * 8 + 7 * 2 * (16 + 4)
+    assert bytes_moved("alltoall", [7, 0], 4, 2, 2, 2, 5, replicas=True) == 2 * 2 * 6 * 8 + 7 * 2 * (16 + 8)
     assert bytes_moved("alltoall", 3, 4, 2, 2, 2, 5) == bytes_moved("alltoall", [3, 3], 4, 2, 2, 2, 5)
     assert bytes_moved("local", 5, 4, 2, 1, 2, 5) == 0
     with pytest.raises(ValueError):

@@ -19,6 +19,7 @@ from test_server import tiny_checkpoint
 from deepinfer.router.policy import RouterConfig
 from deepinfer.router.replicas import ReplicatedEngineClient
 from deepinfer.sampling_params import SamplingParams
+from deepinfer.server.engine_client import ReplicaLost
 
 KWARGS = dict(kv_cache_memory_bytes=16 * 2**20, max_num_seqs=8, load_progress=False, block_size=16)
 PARAMS = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
@@ -85,10 +86,9 @@ def test_killed_replica_fails_only_its_requests(ckpt):
             firsts = [await s.__anext__() for s in streams]  # both running, one per replica
             victim = client._owner["long0"]
             os.kill(client.clients[victim].process.pid, signal.SIGKILL)
-            last = firsts[0]
-            async for out in streams[0]:
-                last = out
-            assert last.finish_reason == "error"  # the victim's request fails
+            with pytest.raises(ReplicaLost, match="was lost"):  # the victim's request fails (503 in the server)
+                async for _ in streams[0]:
+                    pass
             for _ in range(50):
                 if victim not in client.state.healthy:
                     break
@@ -127,10 +127,9 @@ def test_hung_replica_leaves_rotation_and_unstarted_requests_retry(ckpt):
             client.state.turn = victim  # round-robin: the next request goes to the hung replica too
             started = time.monotonic()
             retried = asyncio.create_task(_tokens(client, 1, [8, 8, 8]))
-            last = None
-            async for out in running:
-                last = out
-            assert last.finish_reason == "error" and "hung" in last.error
+            with pytest.raises(ReplicaLost, match="hung"):
+                async for _ in running:
+                    pass
             assert time.monotonic() - started < 2.0 + 1.5  # the hang timeout plus a few health ticks
             assert len(await retried) == 2  # went to the hung replica, got nothing, retried on the other
             assert victim not in client.state.healthy or client.restarts == 1

@@ -61,6 +61,10 @@ class ExpertRebalancer:
         placement file's or, with redundant slots, the policy's for an even load; else stay contiguous."""
         ep, experts = self.mp.placement.ep_size, self.mp.placement.num_experts
         layers = len(self.mp.experts)
+        if self.mp.comm_kind == "allgather" and self.mp.experts[0].topk > 2 and self.mp.ep_rank == 0:
+            logger.warning("EPLB with --moe-comm allgather and top-%d routing: a placement change regroups the "
+                           "cross-rank sum of a token's expert outputs (rounding-level changes); use alltoall for "
+                           "outputs independent of the placement", self.mp.experts[0].topk)
         if self.num_slots % ep:
             raise ValueError(f"{experts} routed experts + {self.config.num_redundant_experts} redundant do not split "
                              f"evenly over {ep} expert-parallel ranks")
@@ -75,9 +79,19 @@ class ExpertRebalancer:
             phy2log, _, _ = rebalance_experts(torch.ones(layers, experts), self.num_slots, 1, 1, ep)
         else:
             return
+        self._warm_up_group()
         self.pending = [(tag, ExpertPlacement.from_phy2log(row.tolist(), experts, ep))
                         for tag, row in enumerate(phy2log)]
         self._move(len(self.pending))
+        device = self.mp.experts[0].w13.device
+        if device.type == "cuda":  # the contiguous blocks' freed memory back for the KV budget measured next
+            torch.cuda.empty_cache()
+
+    def _warm_up_group(self) -> None:
+        """One collective on the experts' device before the first point-to-point batch: NCCL requires every
+        rank in a group's first batch_isend_irecv, and a rank with nothing to move would skip it."""
+        device = self.mp.experts[0].w13.device
+        dist.all_reduce(torch.zeros(1, device=device), group=self.mp.ep_group)
 
     def end_step(self) -> None:
         """A step boundary (collective when it rebalances or moves): count it, maybe plan, move queued layers."""
@@ -88,7 +102,8 @@ class ExpertRebalancer:
             self._move(self.config.layers_per_step)
 
     def _plan(self) -> None:
-        """Queue, per layer, the policy's placement for the window's load when it balances better."""
+        """Queue, per layer, the policy's placement for the window's load when it balances better. EP rank 0
+        decides and broadcasts (float rounding may differ between machines; the moves must not)."""
         load = self._global_load()
         if not load.any():
             return
@@ -96,11 +111,11 @@ class ExpertRebalancer:
         current = torch.tensor([e.placement.slot_experts for e in self.mp.experts])
         if current.shape[1] != self.num_slots:
             raise ValueError(f"layers hold {current.shape[1]} slots, EPLB plans {self.num_slots}")
-        new, _, _ = rebalance_experts_migration_aware(load, self.num_slots, 1, 1, ep, current)
-        before, after = placement_balancedness(load, current, ep), placement_balancedness(load, new, ep)
+        new, move = self._decide(load, current, ep)
         self.pending = [(tag, ExpertPlacement.from_phy2log(new[tag].tolist(), experts, ep))
-                        for tag in range(len(after)) if after[tag] > before[tag] + 1e-9]
-        chosen = [a if any(t == i for t, _ in self.pending) else b for i, (b, a) in enumerate(zip(before, after))]
+                        for tag in range(len(move)) if move[tag]]
+        before, after = placement_balancedness(load, current, ep), placement_balancedness(load, new, ep)
+        chosen = [a if m else b for b, a, m in zip(before, after, move)]
         c = self.counters
         c.rebalances += 1
         c.balancedness_before, c.balancedness_after = before, chosen
@@ -108,6 +123,18 @@ class ExpertRebalancer:
             logger.info("EPLB rebalance %d at step %d: balancedness %.3f -> %.3f, %d of %d layers to move",
                         c.rebalances, self.steps, sum(before) / len(before), sum(chosen) / len(chosen),
                         len(self.pending), len(before))
+
+    def _decide(self, load: torch.Tensor, current: torch.Tensor, ep: int) -> tuple[torch.Tensor, list[bool]]:
+        """(new phy2log, whether each layer moves) as EP rank 0 computed them (collective broadcast)."""
+        table = torch.zeros(current.shape[0], current.shape[1] + 1, dtype=torch.long)
+        if self.mp.ep_rank == 0:
+            new, _, _ = rebalance_experts_migration_aware(load, self.num_slots, 1, 1, ep, current)
+            before, after = placement_balancedness(load, current, ep), placement_balancedness(load, new, ep)
+            table[:, :-1] = new
+            table[:, -1] = torch.tensor([a > b + 1e-9 for b, a in zip(before, after)])
+        src = 0 if self.mp.ep_group is None else dist.get_global_rank(self.mp.ep_group, 0)
+        dist.broadcast(table, src=src, group=self.mp.ep_group)
+        return table[:, :-1], table[:, -1].bool().tolist()
 
     def _global_load(self) -> torch.Tensor:
         """[layers, experts] the window's load summed over the EP group (collective)."""
@@ -121,10 +148,13 @@ class ExpertRebalancer:
         batch, self.pending = self.pending[:count], self.pending[count:]
         for tag, placement in batch:
             experts = self.mp.experts[tag]
+            plan = move_plan(experts.placement, placement)
             with torch.no_grad():
                 w13, w2 = move_weights([experts.w13, experts.w2], experts.placement, placement, self.mp.ep_rank,
-                                       self.mp.ep_group)
-            self.counters.experts_moved += moved_experts(move_plan(experts.placement, placement))
+                                       self.mp.ep_group, plan)
+            self.counters.experts_moved += moved_experts(plan)
             experts.swap(placement, w13, w2)
         self.counters.layers_moved += len(batch)
+        if self.mp.experts[0].w13.device.type == "cuda":
+            torch.cuda.synchronize()  # the copies are asynchronous: time them whole
         self.counters.move_seconds += time.perf_counter() - start

@@ -71,9 +71,10 @@ def moved_experts(plan: Sequence[Transfer]) -> int:
 
 
 def move_weights(tensors: Sequence[torch.Tensor], old: ExpertPlacement, new: ExpertPlacement, rank: int,
-                 group: dist.ProcessGroup | None = None) -> list[torch.Tensor]:
-    """This rank's stacked tensors ([old local slots, ...] each) under `new` (collective over the EP group)."""
-    plan = move_plan(old, new)
+                 group: dist.ProcessGroup | None = None, plan: Sequence[Transfer] | None = None) -> list[torch.Tensor]:
+    """This rank's stacked tensors ([old local slots, ...] each) under `new` (collective over the EP group);
+    plan: move_plan(old, new), when the caller has it already."""
+    plan = move_plan(old, new) if plan is None else plan
     slots = len(new.local_slots(rank))
     out = [t.new_empty(slots, *t.shape[1:]) for t in tensors]
     for t in plan:

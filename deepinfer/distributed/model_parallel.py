@@ -217,7 +217,8 @@ class ParallelExperts(nn.Module):
 
     def local_outputs(self, work: LocalWork) -> torch.Tensor:
         """This rank's expert slots on a dispatched round's rows (unweighted), GEMMs shaped by the global plan."""
-        self.rows_served += work.x.shape[0]  # the physical load of this rank's slots (a shape: no sync)
+        with self.mp._load_lock:  # two-batch overlap: both lanes count (a shape: no sync)
+            self.rows_served += work.x.shape[0]
         slots = self.placement.local_slots(self.mp.ep_rank)
         return _local_expert_outputs(work, self.w13, self.w2, self.limit,
                                      self.placement.slot_experts[slots.start:slots.stop])

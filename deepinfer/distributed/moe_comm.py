@@ -65,6 +65,8 @@ class ExpertPlacement:
     phy2log: tuple[int, ...] | None = None
 
     def __post_init__(self):
+        if not self.starts or self.starts[0] != 0 or any(b < a for a, b in zip(self.starts, self.starts[1:])):
+            raise ValueError(f"slot boundaries must start at 0 and never decrease, got {self.starts}")
         slots = self.starts[-1]
         if self.phy2log is None:
             if slots != self.num_experts:
@@ -92,6 +94,11 @@ class ExpertPlacement:
     @property
     def num_slots(self) -> int:
         return self.starts[-1]
+
+    @property
+    def has_replicas(self) -> bool:
+        """Some expert has several slots (then the all-to-all sends each row's position)."""
+        return self.num_slots > self.num_experts
 
     @property
     def slot_experts(self) -> tuple[int, ...]:
@@ -434,7 +441,8 @@ class AllToAllComm(_CollectiveComm):
         token_of = order // topk_ids.shape[1]
         recv_ids, recv_pos, rows = self._send_rows(placement, slot, pos, x[token_of], send_order, send_counts,
                                                    recv_counts)
-        # by slot, then position (source rank, origin order); without replicas arrival order gives the positions
+        # by slot, then position (source rank, origin order); with one slot per expert arrival order is position
+        # order
         local_order = _expert_order(recv_ids) if recv_pos is None else _slot_order(recv_ids, recv_pos)
         handle = (x.shape[0], token_of, topk_weights.reshape(-1)[order], send_counts, recv_counts, local_order,
                   send_order)
@@ -445,7 +453,7 @@ class AllToAllComm(_CollectiveComm):
         """(local slot ids, positions or None, rows) this rank receives: rows go out in send_order; positions
         travel only with replicas (one slot per expert: a slot's arrival order is its position order)."""
         parts = [placement.local_index(slot)[send_order].to(ID_DTYPE), rows[send_order]]
-        if placement.phy2log is not None:
+        if placement.has_replicas:
             parts.insert(1, pos[send_order].to(ID_DTYPE))
         layout = [(ID_DTYPE, ())] * (len(parts) - 1) + [(rows.dtype, tuple(rows.shape[1:]))]
         got = unpack_rows(self._all_to_all(pack_rows(*parts), send_counts, recv_counts), layout)
@@ -550,7 +558,7 @@ def _placed_loop(work: LocalWork, counts: list[int], rows_of: list[int], w13: to
 
 
 def bytes_moved(kind: str, tokens: int | Sequence[int], hidden: int, topk: int, world: int, elem_size: int,
-                experts: int) -> int:
+                experts: int, replicas: bool = False) -> int:
     """Payload bytes one dispatch + combine delivers to all ranks together (the sum of comm.payload_bytes).
 
     tokens is the token count of every rank, or one count per rank; elem_size is the activation dtype's.
@@ -561,8 +569,8 @@ def bytes_moved(kind: str, tokens: int | Sequence[int], hidden: int, topk: int, 
       int32 ids, fp32 weights) + world Tmax D e (every rank's partial sums of this rank's rows: the
       reduce-scatter payload).
     - alltoall: 8 world (E + 1) (every rank's per-expert counts and tag) + the rows of the pairs routed here,
-      D e + 4 bytes each (int32 slot; a placement with replicas
-      adds the int32 position), and on the way back D e per pair of this rank's own; summed over ranks both are
+      D e + 4 bytes each (int32 slot; with replicas, `replicas`,
+      also the int32 position), and on the way back D e per pair of this rank's own; summed over ranks both are
       sum(T) K pairs.
     - local: 0."""
     counts = [tokens] * world if isinstance(tokens, int) else list(tokens)
@@ -576,5 +584,6 @@ def bytes_moved(kind: str, tokens: int | Sequence[int], hidden: int, topk: int, 
         per_rank = world * (HEADER_BYTES + tmax * (row + topk * (_ID_BYTES + _WEIGHT_BYTES)) + tmax * row)
         return world * per_rank
     if kind == "alltoall":
-        return world * world * (experts + 1) * _COUNT_BYTES + sum(counts) * topk * (2 * row + _ID_BYTES)
+        pair = 2 * row + _ID_BYTES * (2 if replicas else 1)
+        return world * world * (experts + 1) * _COUNT_BYTES + sum(counts) * topk * pair
     raise ValueError(f"unknown comm kind {kind!r}")

@@ -9,7 +9,7 @@ request starts and ends here, so the load needs no polling: cost = prompt + max_
 Invariants:
 - A request's outputs, aborts and sample aborts all go to the replica it was routed to.
 - A dead replica (its process exited) or a hung one (no message, stats included, for `hang_timeout_s`; engines
-  report at least every 0.25 s) leaves rotation at once: its in-flight requests end with an error output (a
+  report at least every 0.25 s) leaves rotation at once: its in-flight requests raise ReplicaLost (a
   request that got nothing yet is retried once on another replica), the others keep serving, and a fresh
   engine process is started in its place, which rejoins rotation when it is ready. The client is dead, and
   the server exits, only when every replica is dead at once.
@@ -29,7 +29,7 @@ from deepinfer.engine.messages import EngineStats, ReplicaMetrics
 from deepinfer.router.policy import NoReplica, RouterConfig
 from deepinfer.router.state import RouterState
 from deepinfer.sampling_params import SamplingParams
-from deepinfer.server.engine_client import AsyncEngineClient, EngineDeadError
+from deepinfer.server.engine_client import AsyncEngineClient, EngineDeadError, ReplicaLost
 
 logger = logging.getLogger("deepinfer.router")
 
@@ -92,14 +92,18 @@ class ReplicatedEngineClient:
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                        priority: int = 0, cache_salt: str | None = None) -> AsyncIterator:
         """AsyncEngineClient.generate on the replica the router picks for the request; retried once on
-        another replica when its replica is lost before the request produced anything."""
+        another replica when its replica is lost before the request produced anything, else ReplicaLost
+        (the server answers 503)."""
         for attempt in (0, 1):
             replica, cost = self._route(request_id, prompt_token_ids, params, cache_salt)
             client, produced = self.clients[replica], False
             try:
                 async for out in client.generate(request_id, prompt_token_ids, params, priority, cache_salt):
-                    if not produced and attempt == 0 and out.finish_reason == "error" and client.dead:
-                        break  # lost before anything reached the caller: route again
+                    if out.finish_reason == "error" and client.dead:
+                        if not produced and attempt == 0:
+                            break  # lost before anything reached the caller: route again
+                        raise ReplicaLost(f"engine replica {replica} was lost while the request ran "
+                                          f"({client.dead_reason})")
                     produced = True
                     yield out
             finally:

@@ -58,6 +58,10 @@ class EngineDeadError(RuntimeError):
     """The engine process is gone (crashed, killed or shut down); no new request can run."""
 
 
+class ReplicaLost(EngineDeadError):
+    """The engine replica running a request was lost (--data-parallel-replicas); the other replicas serve on."""
+
+
 @dataclass
 class _Stream:
     request_id: str

@@ -31,7 +31,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from deepinfer.engine.detokenizer import IncrementalDetokenizer
 from deepinfer.sampling_params import SamplingParams
-from deepinfer.server.engine_client import EngineDeadError
+from deepinfer.server.engine_client import EngineDeadError, ReplicaLost
 from deepinfer.server.errors import APIError, bad_request
 from deepinfer.server.metrics import Metrics, RequestTimer
 from deepinfer.server.protocol import (
@@ -217,6 +217,8 @@ class Update:
 def _engine_error(exc: Exception, dead: bool) -> APIError:
     if isinstance(exc, APIError):
         return exc
+    if isinstance(exc, ReplicaLost):  # one replica of several: retrying may well work
+        return APIError(503, str(exc), code="replica_lost")
     if isinstance(exc, EngineDeadError):  # gone before this request reached it
         return APIError(503, f"the engine is not running: {exc}", code="engine_dead")
     if isinstance(exc, ValueError):
