@@ -94,6 +94,18 @@ def test_expert_share_is_the_busiest_ranks(experts, parallel, share):
     assert dep.expert_share(cfg, parallel) == pytest.approx(share)
 
 
+def test_redundant_experts_add_their_weights():
+    """EPLB's R extra slots: (E + R) / EP experts per rank; the plan's weights grow by R / EP experts."""
+    cfg = ModelConfig.from_dict({**V3_TINY, "model_type": "deepseek_v3", "n_routed_experts": 8,
+                                 "n_group": 1, "topk_group": 1})
+    parallel = ParallelConfig(4, 1, True)
+    assert dep.expert_share(cfg, parallel, num_redundant_experts=4) == pytest.approx(3 / 8)
+    base, more = (dep.gpu_plan(cfg, parallel, dep.BF16, num_redundant_experts=r).weights_bytes for r in (0, 4))
+    experts = sum(w.numel * dep.BF16.bytes_per_param(w.storage) for w in dep.weight_tensors(cfg)
+                  if w.storage == dep.EXPERT)  # every MoE layer's, the MTP layer's too
+    assert more - base == pytest.approx(experts / 8)  # R / EP = 1 more expert per layer on each rank
+
+
 def test_kv_and_budget_by_hand():
     """MLA: (latent 32 + rope 16) x 2 B x 3 layers = 288 B per token, unchanged by the layout."""
     cfg = _cfg("v3")

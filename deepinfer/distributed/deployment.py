@@ -211,17 +211,21 @@ def weight_bytes(cfg: ModelConfig, fmt: WeightFormat) -> dict[str, float]:
     return out
 
 
-def expert_share(cfg: ModelConfig, parallel: ParallelConfig) -> float:
-    """Fraction of the routed experts the busiest rank holds: ceil(E / EP) / E with EP, else 1 / T."""
+def expert_share(cfg: ModelConfig, parallel: ParallelConfig, num_redundant_experts: int = 0) -> float:
+    """Routed-expert weights the busiest rank holds, as a fraction of the E experts: ceil(E / EP) / E with EP
+    ((E + R) / EP / E with R redundant EPLB slots), else 1 / T."""
     if not parallel.enable_expert_parallel:
         return 1 / parallel.tensor_parallel_size
+    if num_redundant_experts:
+        return (cfg.n_routed_experts + num_redundant_experts) / parallel.world_size / cfg.n_routed_experts
     placement = place_experts(cfg.n_routed_experts, parallel.world_size)
     return len(placement.local_experts(0)) / cfg.n_routed_experts  # rank 0 holds the most
 
 
-def weight_bytes_per_gpu(cfg: ModelConfig, fmt: WeightFormat, parallel: ParallelConfig) -> float:
-    """Weight bytes on the busiest rank of the layout."""
-    share = expert_share(cfg, parallel)
+def weight_bytes_per_gpu(cfg: ModelConfig, fmt: WeightFormat, parallel: ParallelConfig,
+                         num_redundant_experts: int = 0) -> float:
+    """Weight bytes on the busiest rank of the layout (with R redundant EPLB expert slots in all)."""
+    share = expert_share(cfg, parallel, num_redundant_experts)
     return sum(w.numel * fmt.bytes_per_param(w.storage) * _gpu_share(w, share, parallel) for w in weight_tensors(cfg))
 
 
@@ -304,9 +308,11 @@ class GpuPlan:
 
 
 def gpu_plan(cfg: ModelConfig, parallel: ParallelConfig, fmt: WeightFormat, kv_cache_dtype: str = "auto",
-             hbm_bytes: int = H200_HBM_BYTES, reserve_bytes: int = 10 * 2**30) -> GpuPlan:
-    """`reserve_bytes` is held back for activations, CUDA graphs, communication buffers and fragmentation."""
-    weights = weight_bytes_per_gpu(cfg, fmt, parallel)
+             hbm_bytes: int = H200_HBM_BYTES, reserve_bytes: int = 10 * 2**30,
+             num_redundant_experts: int = 0) -> GpuPlan:
+    """`reserve_bytes` is held back for activations, CUDA graphs, communication buffers and fragmentation;
+    `num_redundant_experts` EPLB slots add their experts' weights."""
+    weights = weight_bytes_per_gpu(cfg, fmt, parallel, num_redundant_experts)
     fp = kv_per_gpu(cfg, kv_cache_dtype)
     budget = kv_budget(hbm_bytes, weights, reserve_bytes)
     return GpuPlan(weights, fp.bytes_per_token, fp.bytes_per_sequence, budget, tokens_that_fit(fp, budget))
