@@ -128,21 +128,30 @@ class ExpertPlacement:
         return slots - starts[self.owner_of(slots)]
 
     @cached_property
-    def _replicas(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(replica count [E], slots of each expert ascending [E, max count] padded -1, replica index [slots])."""
+    def _replicas(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(replica count [E], slots of each expert ascending [E, max count] padded -1, replica index [slots],
+        logical expert [slots])."""
         by_expert: list[list[int]] = [[] for _ in range(self.num_experts)]
         for slot, e in enumerate(self.slot_experts):
             by_expert[e].append(slot)
         width = max(len(s) for s in by_expert)
         table = torch.tensor([s + [-1] * (width - len(s)) for s in by_expert], dtype=torch.long)
         index = torch.tensor([by_expert[e].index(slot) for slot, e in enumerate(self.slot_experts)])
-        return torch.tensor([len(s) for s in by_expert]), table, index
+        experts = torch.tensor(self.slot_experts, dtype=torch.long)
+        return torch.tensor([len(s) for s in by_expert]), table, index, experts
+
+    def holds(self, rank: int, device: torch.device | str = "cpu") -> torch.Tensor:
+        """[E] bool: whether `rank` holds a slot of each expert."""
+        mine = self.local_slots(rank)
+        held = torch.zeros(self.num_experts, dtype=torch.bool, device=device)
+        held[self._replicas[3][mine.start:mine.stop].to(device)] = True
+        return held
 
     def slot_of(self, ids: torch.Tensor, pos: torch.Tensor, plan: torch.Tensor) -> torch.Tensor:
         """Slot serving each row: logical ids, positions among their expert's plan[e] rows of the round."""
         if self.phy2log is None:
             return ids
-        count, table, _ = (t.to(ids.device) for t in self._replicas)
+        count, table, _, _ = (t.to(ids.device) for t in self._replicas)
         return table[ids, pos * count[ids] // plan[ids]]
 
     def rows_from(self, rank: int, counts: torch.Tensor) -> torch.Tensor:
@@ -150,8 +159,8 @@ class ExpertPlacement:
         mine = self.local_slots(rank)
         if self.phy2log is None:
             return counts[:, mine.start:mine.stop].sum(1)
-        count, _, index = (t.to(counts.device) for t in self._replicas)
-        experts = torch.tensor(self.slot_experts[mine.start:mine.stop], dtype=torch.long, device=counts.device)
+        count, _, index, slot_experts = (t.to(counts.device) for t in self._replicas)
+        experts = slot_experts[mine.start:mine.stop]
         n, c, j = counts.sum(0)[experts], count[experts], index[mine.start:mine.stop]
         lo, hi = (j * n + c - 1) // c, ((j + 1) * n + c - 1) // c  # the slots' chunks of positions
         first = (counts.cumsum(0) - counts)[:, experts]  # [sources, local slots] each source's first position
@@ -285,9 +294,10 @@ def _expert_order(flat_ids: torch.Tensor) -> torch.Tensor:
     return torch.argsort(flat_ids, stable=True)
 
 
-def _slot_order(slot: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-    """Permutation sorting rows by (slot, position); a slot's positions are distinct."""
-    return torch.argsort(slot * (int(pos.max()) + 1 if pos.numel() else 1) + pos, stable=True)
+def _slot_order(slot: torch.Tensor, pos: torch.Tensor, bound: torch.Tensor) -> torch.Tensor:
+    """Permutation sorting rows by (slot, position); a slot's positions are distinct and below bound (a 0-d
+    tensor: no host sync)."""
+    return torch.argsort(slot * bound + pos, stable=True)
 
 
 def _weighted_sum(num_tokens: int, token_of: torch.Tensor, out: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -351,15 +361,18 @@ class AllGatherComm(_CollectiveComm):
         ids, weights, rows = self._gather(x, topk_ids, topk_weights, tmax)
         placement = self.placement_for(tag)
         flat_ids = ids.reshape(-1).long()
-        pairs = torch.nonzero(flat_ids >= 0).squeeze(1)  # padding ids are -1
+        valid = flat_ids >= 0  # padding ids are -1
+        plan = torch.bincount(flat_ids[valid], minlength=placement.num_experts)
+        held = placement.holds(self.rank, flat_ids.device)
+        # every row of each expert this rank holds a slot of (so positions within an expert are complete)
+        pairs = torch.nonzero(valid & held[flat_ids.clamp(min=0)]).squeeze(1)
         pairs = pairs[_expert_order(flat_ids[pairs])]
-        experts = flat_ids[pairs]
-        plan = torch.bincount(experts, minlength=placement.num_experts)
-        pos = torch.arange(pairs.numel(), device=pairs.device) - (plan.cumsum(0) - plan)[experts]
+        experts, kept = flat_ids[pairs], plan * held
+        pos = torch.arange(pairs.numel(), device=pairs.device) - (kept.cumsum(0) - kept)[experts]
         slots = placement.local_slots(self.rank)
         slot = placement.slot_of(experts, pos, plan) - slots.start
         mine = torch.nonzero((slot >= 0) & (slot < len(slots))).squeeze(1)  # in expert order
-        by_slot = _slot_order(slot[mine], pos[mine])
+        by_slot = _slot_order(slot[mine], pos[mine], plan.sum() + 1)
         token_of = pairs[mine] // k
         handle = (num_tokens, tmax, token_of, weights.reshape(-1)[pairs[mine]], by_slot)
         rows_by_slot = mine[by_slot]
@@ -443,7 +456,7 @@ class AllToAllComm(_CollectiveComm):
                                                    recv_counts)
         # by slot, then position (source rank, origin order); with one slot per expert arrival order is position
         # order
-        local_order = _expert_order(recv_ids) if recv_pos is None else _slot_order(recv_ids, recv_pos)
+        local_order = _expert_order(recv_ids) if recv_pos is None else _slot_order(recv_ids, recv_pos, plan.sum() + 1)
         handle = (x.shape[0], token_of, topk_weights.reshape(-1)[order], send_counts, recv_counts, local_order,
                   send_order)
         pos = None if recv_pos is None else recv_pos[local_order]
