@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
@@ -121,6 +122,7 @@ class EngineCore:
         self.args = args
         self.model_path = Path(model)
         self.structured = None  # StructuredOutputManager, created with the first constrained request
+        self._structured_warmup: threading.Thread | None = None
         self.device = torch.device(args.device)
         self.model_config = ModelConfig.from_hf(model)
         self.dtype = model_dtype(args.dtype, self.model_config, self.device.type)
@@ -208,8 +210,28 @@ class EngineCore:
         room = capacity - n  # a request alone always fits, so preemption always makes progress
         return room if params.max_tokens is None else min(params.max_tokens, room)
 
+    def warm_structured_outputs(self) -> None:
+        """Build the structured-output manager on a background thread now (its tokenizer tables take about a
+        second), so the first constrained request does not stall every running request's next step."""
+        if self._structured_warmup is None and (self.model_path / "tokenizer.json").is_file():
+            self._structured_warmup = threading.Thread(target=self._warm_structured, daemon=True,
+                                                       name="deepinfer-structured-warmup")
+            self._structured_warmup.start()
+
+    def _warm_structured(self) -> None:
+        try:
+            self._build_structured()
+        except Exception:  # the first constrained request builds it again and reports the error
+            logger.debug("structured-output warm-up failed", exc_info=True)
+
     def _structured_manager(self):
-        """xgrammar is imported (and the tokenizer loaded) only once a request asks for a constraint."""
+        """xgrammar is imported (and the tokenizer loaded) only once a request asks for a constraint, unless
+        warm_structured_outputs built it already."""
+        if self._structured_warmup is not None:
+            self._structured_warmup.join()
+        return self._build_structured()
+
+    def _build_structured(self):
         if self.structured is None:
             from deepinfer.structured.manager import StructuredOutputManager
             from deepinfer.tokenizer import Tokenizer

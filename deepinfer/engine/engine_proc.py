@@ -358,6 +358,9 @@ def _serve(model_path, engine_kwargs, inp, out, parent_pid) -> bool:
     try:
         loop = EngineLoop(build_core(model_path, engine_kwargs))
         out.send(encode(ready_message(loop.core)))
+        warm = getattr(loop.core, "warm_structured_outputs", None)  # served engines: no stall at the first use
+        if warm is not None:
+            warm()
         _Server(loop, inp, out, parent_pid).run()
         loop.core.shutdown()
         return True
