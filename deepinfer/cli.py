@@ -258,6 +258,7 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     _add_generate_parser(commands)
     _add_chat_parser(commands)
     _add_serve_parser(commands)
+    _add_router_parser(commands)
     from deepinfer.eplb.cli import add_parser as add_eplb_parser  # torch only: cheap next to the rest
 
     add_eplb_parser(commands)
@@ -333,6 +334,52 @@ def _add_serve_parser(commands) -> None:
                      default="cache_aware", help="how --data-parallel-replicas routes (default: %(default)s)")
     add_engine_args(sub)
     sub.set_defaults(handler=run_serve)
+
+
+# --- router --------------------------------------------------------------------------------------
+def run_router(args: argparse.Namespace) -> int:
+    from deepinfer.router.http import run_router as run  # the router's dependencies load only for `router`
+
+    return run(args)
+
+
+def _add_router_parser(commands) -> None:
+    sub = commands.add_parser("router", help="one OpenAI-compatible endpoint in front of several `deepinfer serve` "
+                              "instances, cache- and load-aware (see docs/serving.md)")
+    sub.add_argument("--workers", nargs="+", required=True, metavar="URL",
+                     help="the servers' base URLs, e.g. http://10.0.0.5:8000 (serve them with --kv-events)")
+    sub.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s, loopback only)")
+    sub.add_argument("--port", type=int, default=8000, help="port (default: %(default)s)")
+    sub.add_argument("--policy", choices=("cache_aware", "least_loaded", "round_robin"), default="cache_aware",
+                     help="routing policy (default: %(default)s)")
+    sub.add_argument("--balance-abs-tokens", type=int, default=4096, metavar="N",
+                     help="cache_aware: a load gap above N tokens (and --balance-rel) routes by load (default: "
+                          "%(default)s)")
+    sub.add_argument("--balance-rel", type=float, default=2.0, metavar="X",
+                     help="cache_aware: ... and the busiest worker above X times the idlest (default: %(default)s)")
+    sub.add_argument("--tokenizer", metavar="DIR", help="the served model's directory, for its tokenizer and chat "
+                     "template (default: the bundled model)")
+    sub.add_argument("--api-key", action="append", metavar="KEY",
+                     help="require `Authorization: Bearer KEY` on /v1/*; the header is forwarded to the workers "
+                          "(default: $DEEPINFER_API_KEY)")
+    sub.add_argument("--worker-api-key", metavar="KEY", help="the key the router polls /router/state with (default: "
+                     "the first --api-key)")
+    sub.add_argument("--poll-interval-ms", type=float, default=50.0,
+                     help="how often each worker's load and prefix-cache events are read (default: %(default)s)")
+    sub.add_argument("--health-timeout", type=float, default=1.0, metavar="S",
+                     help="a worker that answers no poll this long leaves rotation (default: %(default)s)")
+    sub.add_argument("--hang-timeout", type=float, default=1.5, metavar="S",
+                     help="a worker whose engine sent nothing this long (a step longer than this counts as hung) "
+                          "leaves rotation (default: %(default)s)")
+    sub.add_argument("--startup-timeout", type=float, default=60.0, metavar="S",
+                     help="how long to wait for a first worker before serving anyway (default: %(default)s)")
+    sub.add_argument("--max-body-bytes", type=int, default=16 * 2**20,
+                     help="largest request body, larger ones get 413 (default: %(default)s)")
+    sub.add_argument("--access-log", action=argparse.BooleanOptionalAction, default=True,
+                     help="log one line per HTTP request")
+    sub.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"),
+                     help="uvicorn's log level (default: %(default)s)")
+    sub.set_defaults(handler=run_router)
 
 
 # --- bench ---------------------------------------------------------------------------------------

@@ -43,7 +43,8 @@ def test_stats_file_round_trip_and_errors(tmp_path):
 
 
 def test_stats_from_a_metrics_scrape(tmp_path):
-    """/metrics exports the window per (layer, expert); `deepinfer eplb --stats` reads a saved scrape."""
+    """/metrics exports the window per (engine, layer, expert); `deepinfer eplb --stats` reads a saved scrape,
+    summing the engines (replicas serving one model)."""
     from prometheus_client import CollectorRegistry, generate_latest
 
     from deepinfer.engine.messages import EngineStats
@@ -54,9 +55,13 @@ def test_stats_from_a_metrics_scrape(tmp_path):
     load = [[5, 0, 7], [1, 2, 3]]
     stats = EngineStats(0, 0, 0.0, 0, 0, 0, 0, 0, 0.0, eplb_expert_load=load)
     registry = CollectorRegistry()
-    registry.register(_EngineStatsCollector(lambda: stats))
+    registry.register(_EngineStatsCollector(lambda: {"0": stats}))
     (tmp_path / "scrape.txt").write_bytes(generate_latest(registry))
     assert load_expert_load(tmp_path / "scrape.txt").tolist() == load
+    two = CollectorRegistry()
+    two.register(_EngineStatsCollector(lambda: {"0": stats, "1": stats}))
+    (tmp_path / "two.txt").write_bytes(generate_latest(two))
+    assert load_expert_load(tmp_path / "two.txt").tolist() == [[2 * t for t in row] for row in load]
     (tmp_path / "empty.txt").write_text("# nothing here\n")
     with pytest.raises(ValueError, match="no deepinfer:eplb_expert_load samples"):
         load_expert_load(tmp_path / "empty.txt")

@@ -55,17 +55,19 @@ def test_completions_match_one_process(server, ckpt):
         assert time.monotonic() < deadline, metrics
         time.sleep(0.2)
     for rank in (0, 1):
-        assert f'deepinfer:rank_steps_total{{dp_rank="{rank}",rank="{rank}",tp_rank="0"}}' in metrics
-        assert f'deepinfer:replica_num_requests_running{{dp_rank="{rank}"}}' in metrics
-    balance = [line for line in metrics.splitlines() if line.startswith("deepinfer:eplb_balancedness ")]
+        assert f'deepinfer:rank_steps_total{{dp_rank="{rank}",engine="0",rank="{rank}",tp_rank="0"}}' in metrics
+        assert f'deepinfer:replica_num_requests_running{{dp_rank="{rank}",engine="0"}}' in metrics
+    balance = [line for line in metrics.splitlines() if line.startswith('deepinfer:eplb_balancedness{engine="0"} ')]
     assert balance and 0 < float(balance[0].split()[1]) <= 1  # the EP stats window reached /metrics
-    assert 'deepinfer:eplb_balancedness_per_layer{layer="0"}' in metrics
-    rebalances = [line for line in metrics.splitlines() if line.startswith("deepinfer:eplb_rebalances_total ")]
+    assert 'deepinfer:eplb_balancedness_per_layer{engine="0",layer="0"}' in metrics
+    rebalances = [line for line in metrics.splitlines()
+                  if line.startswith('deepinfer:eplb_rebalances_total{engine="0"} ')]
     assert rebalances and float(rebalances[0].split()[1]) >= 1  # live EPLB ran during the completions
     for name in ("eplb_layers_moved_total", "eplb_experts_moved_total", "eplb_move_seconds_total"):
-        assert f"deepinfer:{name} " in metrics
-    assert 'deepinfer:eplb_last_rebalance_balancedness{when="after"}' in metrics
-    assert 'deepinfer:eplb_expert_load{expert="7",layer="0"}' in metrics  # what `deepinfer eplb --stats` reads
+        assert f'deepinfer:{name}{{engine="0"}} ' in metrics
+    assert 'deepinfer:eplb_last_rebalance_balancedness{engine="0",when="after"}' in metrics
+    # what `deepinfer eplb --stats` reads
+    assert 'deepinfer:eplb_expert_load{engine="0",expert="7",layer="0"}' in metrics
 
 
 def test_killed_rank_fails_requests_and_the_server_exits(server):

@@ -51,7 +51,7 @@ async def _run(ckpt: str, replicas: int, policy: str) -> tuple[list, float]:
         tokens = [await _tokens(client, i, p) for i, p in enumerate(workload())]
         for _ in range(100):  # the engines report stats when they go idle
             stats = client.stats()
-            if stats is not None and len(stats.replicas) == replicas and stats.prefix_queries >= 12 * 48:
+            if stats is not None and None not in client.engine_stats().values() and stats.prefix_queries >= 12 * 48:
                 break
             await asyncio.sleep(0.1)
         return tokens, stats.prefix_hits / stats.prefix_queries
@@ -106,7 +106,7 @@ def test_killed_replica_fails_only_its_requests(ckpt):
                 await asyncio.sleep(0.1)
             assert client.state.healthy == {0, 1} and client.restarts == 1
             assert [len(await _tokens(client, 100 + i, [4, 4, i])) for i in range(2)] == [2, 2]
-            assert client.routed[victim] >= 2  # it serves again
+            assert client.router_stats.routed[victim] >= 2  # it serves again
         finally:
             await client.shutdown()
 
@@ -166,9 +166,12 @@ def test_server_with_replicas_streams_the_tokens_of_one_engine(ckpt, tmp_path):
         metrics = ""
         for _ in range(50):
             metrics = httpx.get(server.url + "/metrics").text
-            if 'deepinfer:replica_num_requests_running{dp_rank="1"}' in metrics:
+            if 'deepinfer:kv_cache_total_blocks{engine="1"}' in metrics:
                 break
             time.sleep(0.1)
-        assert 'deepinfer:replica_num_requests_running{dp_rank="0"}' in metrics
-        assert 'deepinfer:replica_num_requests_running{dp_rank="1"}' in metrics
-        assert "deepinfer:router_requests_total{" in metrics
+        for engine in ("0", "1"):  # every engine series once per replica, under vLLM's `engine` label
+            assert f'deepinfer:kv_cache_total_blocks{{engine="{engine}"}}' in metrics
+            assert f'deepinfer:router_engine_healthy{{engine="{engine}"}} 1.0' in metrics
+        routed = sum(float(line.split()[-1]) for line in metrics.splitlines()
+                     if line.startswith("deepinfer:router_requests_total{"))
+        assert routed == len(prompts) + 2  # the completions above (n = 2 is one engine request)

@@ -23,6 +23,7 @@ import openai
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from prometheus_client.parser import text_string_to_metric_families
 from tiny_models import make_reference, save_reference, write_tokenizer
 
 from deepinfer.server.reasoning import ReasoningStream, split_reasoning, thinking_enabled
@@ -55,8 +56,8 @@ def free_port() -> int:
 class ServerProcess:
     """`python -m deepinfer serve` in a subprocess; its output goes to a log file (never a pipe that fills)."""
 
-    def __init__(self, ckpt: Path, log: Path, *flags: str, env: dict | None = None):
-        self.port, self.log_path = free_port(), log
+    def __init__(self, ckpt: Path, log: Path, *flags: str, env: dict | None = None, port: int | None = None):
+        self.port, self.log_path = port or free_port(), log
         cmd = [sys.executable, "-m", "deepinfer", "serve", str(ckpt), "--port", str(self.port), *BASE_FLAGS, *flags]
         with open(log, "wb") as out:
             env = {**os.environ, **SERVER_ENV, **(env or {})}
@@ -144,15 +145,17 @@ def aclient(server):
 
 
 def metrics(url: str) -> dict[str, float]:
-    """Unlabelled samples of /metrics by name."""
-    return dict(_samples(httpx.get(url + "/metrics", timeout=10).text))
+    """Samples of /metrics by name, summed over the engine label (a series with other labels is left out)."""
+    return _engine_sums(httpx.get(url + "/metrics", timeout=10).text)
 
 
-def _samples(text: str):
-    for line in text.splitlines():
-        if line and not line.startswith("#") and "{" not in line:
-            name, value = line.rsplit(" ", 1)
-            yield name, float(value)
+def _engine_sums(text: str) -> dict[str, float]:
+    sums: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if set(sample.labels) <= {"engine"}:
+                sums[sample.name] = sums.get(sample.name, 0.0) + sample.value
+    return sums
 
 
 def token_ids(logprobs) -> list[int]:

@@ -199,7 +199,7 @@ def test_add_special_tokens_leaves_token_id_prompts_alone(plain):
 # --- the OpenAPI document --------------------------------------------------------------------------
 OPERATIONS = [("POST", "/v1/chat/completions"), ("POST", "/v1/completions"), ("GET", "/v1/models"),
               ("GET", "/health"), ("GET", "/metrics"), ("POST", "/tokenize"), ("POST", "/detokenize"),
-              ("POST", "/reset_prefix_cache"), ("GET", "/version")]
+              ("POST", "/reset_prefix_cache"), ("GET", "/version"), ("GET", "/router/state")]
 CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance, response_schema_conformance,
           response_headers_conformance]
 EXAMPLES = 12

@@ -68,7 +68,7 @@ def test_max_request_seqs_flag(tmp_path):
 def _fake_app(dead: bool = False):
     client = SimpleNamespace(dead=dead, dead_reason="the engine process exited", closed=False,
                              ready=SimpleNamespace(max_model_len=64, vocab_size=100), stats=lambda: None)
-    serving = Serving(client, None, ServerSettings(model_name="m", max_queue=2), Metrics(lambda: None))
+    serving = Serving(client, None, ServerSettings(model_name="m", max_queue=2), Metrics(dict))
     return serving, httpx.AsyncClient(transport=httpx.ASGITransport(app=build_app(serving)), base_url="http://t")
 
 

@@ -60,8 +60,9 @@ def test_bad_speculative_config_fails_fast(tmp_path_factory):
 def test_engine_stats_render_as_vllm_named_counters():
     stats = EngineStats(1, 0, 0.5, 3, 4, 5, 6, 0, 1.0, spec_num_drafts=7, spec_num_draft_tokens=21,
                         spec_num_accepted_tokens=12, spec_accepted_per_pos=[6, 4, 2])
-    text = Metrics(lambda: stats).render().decode()
-    for line in ["deepinfer:spec_decode_num_drafts_total 7.0", "deepinfer:spec_decode_num_draft_tokens_total 21.0",
-                 "deepinfer:spec_decode_num_accepted_tokens_total 12.0",
-                 'deepinfer:spec_decode_num_accepted_tokens_per_pos_total{position="2"} 2.0']:
+    text = Metrics(lambda: {"0": stats}).render().decode()
+    for line in ['deepinfer:spec_decode_num_drafts_total{engine="0"} 7.0',
+                 'deepinfer:spec_decode_num_draft_tokens_total{engine="0"} 21.0',
+                 'deepinfer:spec_decode_num_accepted_tokens_total{engine="0"} 12.0',
+                 'deepinfer:spec_decode_num_accepted_tokens_per_pos_total{engine="0",position="2"} 2.0']:
         assert line in text

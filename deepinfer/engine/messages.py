@@ -143,7 +143,6 @@ class EngineStats(_Msg):
     eplb_balancedness: list[float] = []  # per MoE layer: mean / max tokens per EP rank over the stats window
     eplb: EplbMetrics | None = None  # live EPLB counters (EPLB only)
     eplb_expert_load: list[list[int]] = []  # [MoE layer][logical expert] tokens over the window, all ranks (EP)
-    router_decisions: dict[str, int] = {}  # --data-parallel-replicas: requests routed, by decision reason
 
 
 class EngineOutputs(_Msg):

@@ -98,7 +98,10 @@ def _from_prometheus(path, text: str) -> torch.Tensor:
         raise ValueError(f"{path}: neither an expert-load file nor a Prometheus scrape ({e})") from e
     if not samples:
         raise ValueError(f"{path}: no {PROMETHEUS_METRIC} samples (a scrape of an expert-parallel engine's /metrics)")
-    cells = {(int(s.labels["layer"]), int(s.labels["expert"])): s.value for s in samples}
+    cells: dict[tuple[int, int], float] = {}  # summed over engines (replicas of one model under one traffic)
+    for s in samples:
+        key = (int(s.labels["layer"]), int(s.labels["expert"]))
+        cells[key] = cells.get(key, 0.0) + s.value
     layers, experts = (max(k[i] for k in cells) + 1 for i in (0, 1))
     if len(cells) != layers * experts:
         raise ValueError(f"{path}: {PROMETHEUS_METRIC} misses some (layer, expert) samples")

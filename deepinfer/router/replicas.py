@@ -21,15 +21,15 @@ import asyncio
 import itertools
 import logging
 import time
-from collections import Counter
 from collections.abc import AsyncIterator, Sequence
 
 from deepinfer.engine.kv_cache import chain_hashes
-from deepinfer.engine.messages import EngineStats, ReplicaMetrics
+from deepinfer.engine.messages import EngineStats
+from deepinfer.router.metrics import RouterCollector, RouterStats
 from deepinfer.router.policy import NoReplica, RouterConfig
 from deepinfer.router.state import RouterState
 from deepinfer.sampling_params import SamplingParams
-from deepinfer.server.engine_client import AsyncEngineClient, EngineDeadError, ReplicaLost
+from deepinfer.server.engine_client import AsyncEngineClient, EngineDeadError, ReplicaLost, request_cost
 
 logger = logging.getLogger("deepinfer.router")
 
@@ -48,8 +48,7 @@ class ReplicatedEngineClient:
         self.restarts = 0
         self.ready = self.clients[0].ready
         self.state = RouterState(config, range(len(self.clients)))
-        self.decisions: Counter[str] = Counter()  # routed requests by decision reason
-        self.routed: Counter[int] = Counter()  # routed requests by replica
+        self.router_stats = RouterStats()
         self.dead_event = asyncio.Event()
         self.closed = False
         self._owner: dict[str, int] = {}
@@ -102,6 +101,7 @@ class ReplicatedEngineClient:
                     if out.finish_reason == "error" and client.dead:
                         if not produced and attempt == 0:
                             break  # lost before anything reached the caller: route again
+                        self.router_stats.rejections["engine_lost"] += 1
                         raise ReplicaLost(f"engine replica {replica} was lost while the request ran "
                                           f"({client.dead_reason})")
                     produced = True
@@ -111,6 +111,7 @@ class ReplicatedEngineClient:
                 self.state.finished(replica, cost)
             if produced:
                 return
+            self.router_stats.retries += 1
             logger.warning("request %s: replica %d was lost before it started; retrying", request_id, replica)
 
     def _route(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
@@ -118,13 +119,13 @@ class ReplicatedEngineClient:
         if self.dead or self.closed:
             raise EngineDeadError(self.dead_reason or "the engine client is shut down")
         hashes = chain_hashes(prompt_token_ids, self.ready.block_size, cache_salt, [])
-        cost = len(prompt_token_ids) + params.n * (params.max_tokens or 0)
+        cost = request_cost(len(prompt_token_ids), params)
         try:
             decision = self.state.choose(hashes, cost, sticky_key=cache_salt)
         except NoReplica as e:
+            self.router_stats.rejections["no_engine"] += 1
             raise EngineDeadError(f"no engine replica is serving: {e}") from None
-        self.decisions[decision.reason] += 1
-        self.routed[decision.replica] += 1
+        self.router_stats.record(decision, len(hashes))
         self._owner[request_id] = decision.replica
         return decision.replica, cost
 
@@ -150,11 +151,27 @@ class ReplicatedEngineClient:
     def num_in_flight(self) -> int:
         return sum(c.num_in_flight for c in self.clients)
 
+    @property
+    def load_tokens(self) -> int:
+        return sum(c.load_tokens for c in self.clients)
+
+    @property
+    def last_message(self) -> float:
+        """The latest message of any replica (a hung one is given up by _health, not reported as the server's)."""
+        return max(c.last_message for c in self.clients)
+
     # --- state -----------------------------------------------------------------------------------
     def stats(self) -> EngineStats | None:
-        """The replicas' latest stats merged (counters summed, kv usage the busiest), one `replicas` entry each."""
-        live = [(i, c.stats()) for i, c in enumerate(self.clients) if c.stats() is not None]
-        return merge_stats(live, dict(self.decisions)) if live else None
+        """The replicas' latest stats merged (counters summed, kv usage the busiest)."""
+        live = [s for c in self.clients if (s := c.stats()) is not None]
+        return merge_stats(live) if live else None
+
+    def engine_stats(self) -> dict[str, EngineStats | None]:
+        """Each replica's latest stats, by its `engine` label in /metrics."""
+        return {str(i): c.stats() for i, c in enumerate(self.clients)}
+
+    def collectors(self) -> list[RouterCollector]:
+        return [RouterCollector(self.router_stats, self.state)]
 
     def _attach(self, replica: int, client: AsyncEngineClient) -> None:
         client.on_kv_events = lambda events: self.state.apply_events(replica, events)
@@ -207,12 +224,9 @@ _SUMMED = ("num_running", "num_waiting", "num_free_blocks", "num_blocks", "promp
            "spec_num_draft_tokens", "spec_num_accepted_tokens")
 
 
-def merge_stats(stats: Sequence[tuple[int, EngineStats]], decisions: dict[str, int] | None = None) -> EngineStats:
-    """One EngineStats for replicas' stats (replica id, stats): what /metrics shows of them together."""
-    values = [s for _, s in stats]
+def merge_stats(values: Sequence[EngineStats]) -> EngineStats:
+    """One EngineStats for several replicas' (counters summed, kv usage the busiest replica's)."""
     sums = {name: sum(getattr(s, name) for s in values) for name in _SUMMED}
     accepted = [sum(x) for x in itertools.zip_longest(*(s.spec_accepted_per_pos for s in values), fillvalue=0)]
-    per_replica = [ReplicaMetrics(i, s.num_running, s.num_waiting, s.kv_usage) for i, s in stats]
     return EngineStats(kv_usage=max(s.kv_usage for s in values), timestamp=max(s.timestamp for s in values),
-                       spec_accepted_per_pos=accepted, replicas=per_replica,
-                       ranks=[r for s in values for r in s.ranks], router_decisions=decisions or {}, **sums)
+                       spec_accepted_per_pos=accepted, **sums)

@@ -22,11 +22,13 @@ from deepinfer import __version__
 from deepinfer.server import schemas
 from deepinfer.server.errors import APIError, install_error_handlers
 from deepinfer.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from deepinfer.server.router_state import RouterStateView
 from deepinfer.server.serving import Serving
 
-# Paths that need the API key when one is set: everything that does model work. /health stays open for
-# probes, /metrics for scrapers, /version (no model work) as a documented choice.
-_GUARDED = ("/v1", "/tokenize", "/detokenize", "/reset_prefix_cache")
+# Paths that need the API key when one is set: everything that does model work, and /router/state (block
+# hashes of cached prompts). /health stays open for probes, /metrics for scrapers, /version (no model work) as a
+# documented choice.
+_GUARDED = ("/v1", "/tokenize", "/detokenize", "/reset_prefix_cache", "/router")
 _GENERATING = ("/v1/completions", "/v1/chat/completions")  # routes that need a queue slot
 
 
@@ -112,7 +114,7 @@ def _replay(body: bytes, receive):
     return replayed
 
 
-def build_app(serving: Serving) -> FastAPI:
+def build_app(serving: Serving, router_view: RouterStateView | None = None) -> FastAPI:
     app = FastAPI(title="deepinfer", version=__version__, description="OpenAI-compatible API for DeepSeek models")
     app.state.serving = serving
     app.state.started = int(time.time())
@@ -122,6 +124,8 @@ def build_app(serving: Serving) -> FastAPI:
                        admission=serving.admission)
     _add_openai_routes(app, serving)
     _add_service_routes(app, serving)
+    if router_view is not None:
+        _add_router_state_route(app, router_view)
     return app
 
 
@@ -175,3 +179,10 @@ def _add_service_routes(app: FastAPI, serving: Serving) -> None:
     async def version() -> dict:
         process = getattr(serving.client, "process", None)
         return {"version": __version__, "server_pid": os.getpid(), "engine_pid": getattr(process, "pid", None)}
+
+
+def _add_router_state_route(app: FastAPI, view: RouterStateView) -> None:
+    @app.get("/router/state", **schemas.route(schemas.RouterStateResponse, 401, 500))
+    async def router_state(since: int = 0) -> dict:
+        """Load, liveness and the prefix-cache events after number `since`, for `deepinfer router`."""
+        return view.state(since)

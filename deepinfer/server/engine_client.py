@@ -62,11 +62,17 @@ class ReplicaLost(EngineDeadError):
     """The engine replica running a request was lost (--data-parallel-replicas); the other replicas serve on."""
 
 
+def request_cost(num_prompt_tokens: int, params: SamplingParams) -> int:
+    """A request's weight in a router's load signal: its prompt plus every sample's output budget (tokens)."""
+    return num_prompt_tokens + params.n * (params.max_tokens or 0)
+
+
 @dataclass
 class _Stream:
     request_id: str
     unfinished: set[int]
     num_prompt_tokens: int
+    cost: int
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
 
 
@@ -84,6 +90,7 @@ class AsyncEngineClient:
         self._streams: dict[str, _Stream] = {}
         self._outbox: asyncio.Queue[bytes] = asyncio.Queue()
         self._stats: EngineStats | None = None
+        self.load_tokens = 0  # request_cost of every open stream: what `deepinfer router` balances on
         self.on_kv_events = None  # called with each message's prefix-cache events (engine option kv_events)
         self.last_message = time.monotonic()  # the engine sends stats at least every ~0.25 s: a heartbeat
         self._watchdog_task = asyncio.create_task(self._watchdog())
@@ -157,13 +164,16 @@ class AsyncEngineClient:
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in flight")
         data = _encode_add(request_id, prompt_token_ids, params, priority, cache_salt)
-        stream = self._streams[request_id] = _Stream(request_id, set(range(params.n)), len(prompt_token_ids))
+        cost = request_cost(len(prompt_token_ids), params)
+        stream = self._streams[request_id] = _Stream(request_id, set(range(params.n)), len(prompt_token_ids), cost)
+        self.load_tokens += cost
         self._outbox.put_nowait(data)
         return stream
 
     def _close_stream(self, stream: _Stream) -> None:
         if self._streams.get(stream.request_id) is stream:
             del self._streams[stream.request_id]
+            self.load_tokens -= stream.cost
         if stream.unfinished:  # closed early: the engine still runs it
             stream.unfinished.clear()
             self._post(AbortRequest([stream.request_id]))
@@ -198,6 +208,14 @@ class AsyncEngineClient:
     def stats(self) -> EngineStats | None:
         """The latest stats the engine sent (every ~0.25 s while busy, and when it becomes idle)."""
         return self._stats
+
+    def engine_stats(self) -> dict[str, EngineStats | None]:
+        """The stats by the engine's label in /metrics."""
+        return {"0": self._stats}
+
+    def collectors(self) -> list:
+        """More Prometheus collectors for /metrics (a router's, for several engines; none for one)."""
+        return []
 
     @property
     def num_in_flight(self) -> int:

@@ -32,6 +32,7 @@ from deepinfer.llm import resolve_model
 from deepinfer.server.app import build_app
 from deepinfer.server.engine_client import AsyncEngineClient
 from deepinfer.server.metrics import Metrics
+from deepinfer.server.router_state import EventLog, RouterStateView
 from deepinfer.server.serving import ServerSettings, Serving
 from deepinfer.tokenizer import TOKENIZER_FILE, Tokenizer
 
@@ -88,7 +89,7 @@ def run_server(args: argparse.Namespace) -> int:
     settings = settings_from(args, path, bundled)
     options = engine_kwargs(args)
     EngineArgs.from_kwargs(**options)  # a bad option (e.g. --speculative-config) fails before anything starts
-    tokenizer = _load_tokenizer(Path(args.tokenizer) if args.tokenizer else path)
+    tokenizer = load_tokenizer(Path(args.tokenizer) if args.tokenizer else path)
     with bind_socket(args.host, args.port) as sock:
         try:
             return asyncio.run(_serve(args, sock, str(path), options, settings, tokenizer))
@@ -109,7 +110,7 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-def _load_tokenizer(directory: Path) -> Tokenizer | None:
+def load_tokenizer(directory: Path) -> Tokenizer | None:
     if not (directory / TOKENIZER_FILE).is_file():
         logger.warning("no %s in the model directory: only token-id prompts can be served", TOKENIZER_FILE)
         return None
@@ -121,8 +122,9 @@ async def _serve(args, sock: socket.socket, model: str, engine_kwargs: dict, set
     client = await _start_engines(args, model, engine_kwargs)
     serving = None
     try:
-        serving = Serving(client, tokenizer, settings, Metrics(client.stats))
-        server = _DrainingServer(_uvicorn_config(args, build_app(serving)), client, args.drain_timeout)
+        serving = Serving(client, tokenizer, settings, Metrics(client.engine_stats, client.collectors()))
+        app = build_app(serving, _router_view(client, engine_kwargs, settings))
+        server = _DrainingServer(_uvicorn_config(args, app), client, args.drain_timeout)
         watcher = asyncio.create_task(_stop_when_engine_dies(client, server))
         with _signals_absorbed():
             await server.serve(sockets=[sock])
@@ -145,6 +147,16 @@ async def _start_engines(args, model: str, engine_kwargs: dict):
     from deepinfer.router.replicas import ReplicatedEngineClient
 
     return await ReplicatedEngineClient.start(model, engine_kwargs, replicas, RouterConfig(args.router_policy))
+
+
+def _router_view(client, engine_kwargs: dict, settings: ServerSettings) -> RouterStateView:
+    """/router/state for a `deepinfer router` in front; one engine's prefix-cache events with --kv-events (a
+    server that routes replicas itself keeps their events to itself and reports its load only)."""
+    log = None
+    if engine_kwargs.get("kv_events") and isinstance(client, AsyncEngineClient):
+        log = EventLog()
+        client.on_kv_events = log.append
+    return RouterStateView(client, client.ready.block_size, settings.prefix_cache_isolation, log)
 
 
 def _uvicorn_config(args, app) -> uvicorn.Config:

@@ -1,14 +1,15 @@
 """Prometheus metrics, in a registry of our own (never the process-global one).
 
 Engine-side gauges (running / waiting requests, KV-cache usage and free blocks, preemptions) are read
-from the latest EngineStats at scrape time, so a scrape always shows the engine's most recent report.
+from the latest EngineStats at scrape time, so a scrape always shows the engine's most recent report. Each of
+them carries an `engine` label, one sample per engine replica ("0" when there is one), as vLLM's do.
 Request-side counters and histograms are recorded by the API process as outputs reach clients.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
@@ -23,60 +24,74 @@ _E2E_BUCKETS = (0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 3
 
 
 class _EngineStatsCollector:
-    """Gauges from `stats()` (an EngineStats or None before the engine's first report)."""
+    """Gauges and counters from each engine's latest EngineStats (None before its first report), one sample per
+    engine under an `engine` label ("0" for a single engine, the replica id under --data-parallel-replicas), as
+    vLLM labels them."""
 
-    def __init__(self, stats: Callable[[], object]):
-        self._stats = stats
+    def __init__(self, engines: Callable[[], Mapping[str, object]]):
+        self._engines = engines
 
     def describe(self) -> list[Metric]:
         return []  # collected lazily: the engine may not have reported yet at registration
 
     def collect(self) -> Iterator[Metric]:
-        s = self._stats()
-        gauges = {
-            "num_requests_running": ("requests running in the engine", getattr(s, "num_running", 0)),
-            "num_requests_waiting": ("requests waiting in the engine", getattr(s, "num_waiting", 0)),
-            "kv_cache_usage_perc": ("fraction of KV-cache blocks in use (1 = full)", getattr(s, "kv_usage", 0.0)),
-            "kv_cache_free_blocks": ("free KV-cache blocks", getattr(s, "num_free_blocks", 0)),
-            "kv_cache_total_blocks": ("KV-cache blocks in the pool", getattr(s, "num_blocks", 0)),
-        }
-        for name, (doc, value) in gauges.items():
-            yield GaugeMetricFamily(PREFIX + name, doc, value=value)
-        counters = {
-            "num_preemptions": ("requests preempted by the scheduler", "num_preemptions"),
-            "prefix_cache_queries": ("prompt tokens looked up in the prefix cache", "prefix_queries"),
-            "prefix_cache_hits": ("prompt tokens found in the prefix cache", "prefix_hits"),
-            # speculative decoding, named like vLLM's so benchmark tools read either engine
-            "spec_decode_num_drafts": ("verification rounds with draft tokens", "spec_num_drafts"),
-            "spec_decode_num_draft_tokens": ("draft tokens verified", "spec_num_draft_tokens"),
-            "spec_decode_num_accepted_tokens": ("draft tokens accepted", "spec_num_accepted_tokens"),
-        }
-        for name, (doc, attr) in counters.items():
-            yield CounterMetricFamily(PREFIX + name, doc, value=getattr(s, attr, 0))
-        yield _accepted_per_position(s)
-        yield from _per_replica(getattr(s, "replicas", None) or [])
-        yield from _per_rank(getattr(s, "ranks", None) or [])
-        yield from _eplb(getattr(s, "eplb_balancedness", None) or [])
-        yield from _eplb_live(getattr(s, "eplb", None))
-        yield from _expert_load(getattr(s, "eplb_expert_load", None) or [])
-        yield from _router(getattr(s, "router_decisions", None) or {})
+        engines = [(name, s) for name, s in self._engines().items()]
+        yield from _engine_gauges(engines)
+        yield from _engine_counters(engines)
+        yield _accepted_per_position(engines)
+        yield from _per_replica(engines)
+        yield from _per_rank(engines)
+        yield from _eplb(engines)
+        yield from _eplb_live(engines)
+        yield from _expert_load(engines)
 
 
-def _per_replica(replicas) -> Iterator[Metric]:
-    """Each DP replica's own scheduler and cache (data_parallel_size > 1)."""
+_GAUGES = {"num_requests_running": ("requests running in the engine", "num_running"),
+           "num_requests_waiting": ("requests waiting in the engine", "num_waiting"),
+           "kv_cache_usage_perc": ("fraction of KV-cache blocks in use (1 = full)", "kv_usage"),
+           "kv_cache_free_blocks": ("free KV-cache blocks", "num_free_blocks"),
+           "kv_cache_total_blocks": ("KV-cache blocks in the pool", "num_blocks")}
+_COUNTERS = {"num_preemptions": ("requests preempted by the scheduler", "num_preemptions"),
+             "prefix_cache_queries": ("prompt tokens looked up in the prefix cache", "prefix_queries"),
+             "prefix_cache_hits": ("prompt tokens found in the prefix cache", "prefix_hits"),
+             # speculative decoding, named like vLLM's so benchmark tools read either engine
+             "spec_decode_num_drafts": ("verification rounds with draft tokens", "spec_num_drafts"),
+             "spec_decode_num_draft_tokens": ("draft tokens verified", "spec_num_draft_tokens"),
+             "spec_decode_num_accepted_tokens": ("draft tokens accepted", "spec_num_accepted_tokens")}
+
+
+def _engine_gauges(engines) -> Iterator[Metric]:
+    for name, (doc, attr) in _GAUGES.items():
+        family = GaugeMetricFamily(PREFIX + name, doc, labels=["engine"])
+        for engine, s in engines:
+            family.add_metric([engine], getattr(s, attr, 0))
+        yield family
+
+
+def _engine_counters(engines) -> Iterator[Metric]:
+    for name, (doc, attr) in _COUNTERS.items():
+        family = CounterMetricFamily(PREFIX + name, doc, labels=["engine"])
+        for engine, s in engines:
+            family.add_metric([engine], getattr(s, attr, 0))
+        yield family
+
+
+def _per_replica(engines) -> Iterator[Metric]:
+    """Each in-engine DP replica's own scheduler and cache (data_parallel_size > 1)."""
     fields = {"replica_num_requests_running": ("requests running on the DP replica", "num_running"),
               "replica_num_requests_waiting": ("requests waiting on the DP replica", "num_waiting"),
               "replica_kv_cache_usage_perc": ("fraction of the DP replica's KV-cache blocks in use", "kv_usage")}
     for name, (doc, attr) in fields.items():
-        gauge = GaugeMetricFamily(PREFIX + name, doc, labels=["dp_rank"])
-        for r in replicas:
-            gauge.add_metric([str(r.dp_rank)], getattr(r, attr))
+        gauge = GaugeMetricFamily(PREFIX + name, doc, labels=["engine", "dp_rank"])
+        for engine, s in engines:
+            for r in getattr(s, "replicas", None) or []:
+                gauge.add_metric([engine, str(r.dp_rank)], getattr(r, attr))
         yield gauge
 
 
-def _per_rank(ranks) -> Iterator[Metric]:
+def _per_rank(engines) -> Iterator[Metric]:
     """Each rank's footprint and expert-parallel traffic (multi-rank engines)."""
-    labels = ["rank", "dp_rank", "tp_rank"]
+    labels = ["engine", "rank", "dp_rank", "tp_rank"]
     gauges = {"rank_weight_bytes": ("bytes of weights the rank holds", "param_bytes"),
               "rank_expert_weight_bytes": ("of which routed experts", "expert_param_bytes"),
               "rank_peak_rss_bytes": ("the rank process's peak resident memory", "peak_rss_bytes")}
@@ -86,79 +101,86 @@ def _per_rank(ranks) -> Iterator[Metric]:
     for kind, table in ((GaugeMetricFamily, gauges), (CounterMetricFamily, counters)):
         for name, (doc, attr) in table.items():
             family = kind(PREFIX + name, doc, labels=labels)
-            for r in ranks:
-                family.add_metric([str(r.rank), str(r.dp_rank), str(r.tp_rank)], getattr(r, attr))
+            for engine, s in engines:
+                for r in getattr(s, "ranks", None) or []:
+                    family.add_metric([engine, str(r.rank), str(r.dp_rank), str(r.tp_rank)], getattr(r, attr))
             yield family
 
 
-def _eplb(per_layer: list[float]) -> Iterator[Metric]:
+def _eplb(engines) -> Iterator[Metric]:
     """Expert-parallel balance over the stats window: mean / max tokens per EP rank, per MoE layer and averaged."""
-    if not per_layer:
+    engines = [(e, s.eplb_balancedness) for e, s in engines if getattr(s, "eplb_balancedness", None)]
+    if not engines:
         return
     layers = GaugeMetricFamily(PREFIX + "eplb_balancedness_per_layer", "mean / max tokens per expert-parallel rank "
-                               "of the MoE layer, over the expert-load window", labels=["layer"])
-    for layer, value in enumerate(per_layer):
-        layers.add_metric([str(layer)], value)
+                               "of the MoE layer, over the expert-load window", labels=["engine", "layer"])
+    mean = GaugeMetricFamily(PREFIX + "eplb_balancedness", "mean over MoE layers of mean / max tokens per "
+                             "expert-parallel rank, over the expert-load window", labels=["engine"])
+    for engine, per_layer in engines:
+        for layer, value in enumerate(per_layer):
+            layers.add_metric([engine, str(layer)], value)
+        mean.add_metric([engine], sum(per_layer) / len(per_layer))
     yield layers
-    yield GaugeMetricFamily(PREFIX + "eplb_balancedness", "mean over MoE layers of mean / max tokens per "
-                            "expert-parallel rank, over the expert-load window", value=sum(per_layer) / len(per_layer))
+    yield mean
 
 
-def _router(decisions: dict[str, int]) -> Iterator[Metric]:
-    """--data-parallel-replicas: requests routed, by the router's decision (prefix, sticky, imbalance, ...)."""
-    if not decisions:
-        return
-    family = CounterMetricFamily(PREFIX + "router_requests", "requests routed to an engine replica, by decision",
-                                 labels=["decision"])
-    for reason, count in sorted(decisions.items()):
-        family.add_metric([reason], count)
-    yield family
-
-
-def _expert_load(load: list[list[int]]) -> Iterator[Metric]:
+def _expert_load(engines) -> Iterator[Metric]:
     """The EP load window per (MoE layer, logical expert): what `deepinfer eplb --stats` reads from a scrape."""
-    if not load:
+    engines = [(e, s.eplb_expert_load) for e, s in engines if getattr(s, "eplb_expert_load", None)]
+    if not engines:
         return
     family = GaugeMetricFamily(PREFIX + EXPERT_LOAD_METRIC, "tokens routed to the logical expert of the MoE layer "
-                               "over the expert-load window, summed over the ranks", labels=["layer", "expert"])
-    for layer, row in enumerate(load):
-        for expert, tokens in enumerate(row):
-            family.add_metric([str(layer), str(expert)], tokens)
+                               "over the expert-load window, summed over the ranks",
+                               labels=["engine", "layer", "expert"])
+    for engine, load in engines:
+        for layer, row in enumerate(load):
+            for expert, tokens in enumerate(row):
+                family.add_metric([engine, str(layer), str(expert)], tokens)
     yield family
 
 
-def _eplb_live(eplb) -> Iterator[Metric]:
+def _eplb_live(engines) -> Iterator[Metric]:
     """Live EPLB: rebalances, weights moved and the time it took, balance before / after the last rebalance."""
-    if eplb is None:
+    engines = [(e, s.eplb) for e, s in engines if getattr(s, "eplb", None) is not None]
+    if not engines:
         return
-    counters = {"eplb_rebalances": ("EPLB placements computed", eplb.rebalances),
-                "eplb_layers_moved": ("MoE layers whose expert weights EPLB moved", eplb.layers_moved),
-                "eplb_experts_moved": ("expert weight copies EPLB sent between ranks", eplb.experts_moved),
-                "eplb_move_seconds": ("seconds the slowest rank spent moving expert weights", eplb.move_seconds)}
-    for name, (doc, value) in counters.items():
-        yield CounterMetricFamily(PREFIX + name, doc, value=value)
+    counters = {"eplb_rebalances": ("EPLB placements computed", "rebalances"),
+                "eplb_layers_moved": ("MoE layers whose expert weights EPLB moved", "layers_moved"),
+                "eplb_experts_moved": ("expert weight copies EPLB sent between ranks", "experts_moved"),
+                "eplb_move_seconds": ("seconds the slowest rank spent moving expert weights", "move_seconds")}
+    for name, (doc, attr) in counters.items():
+        family = CounterMetricFamily(PREFIX + name, doc, labels=["engine"])
+        for engine, eplb in engines:
+            family.add_metric([engine], getattr(eplb, attr))
+        yield family
     last = GaugeMetricFamily(PREFIX + "eplb_last_rebalance_balancedness", "mean over MoE layers of the "
                              "balancedness at the last rebalance, of the placement before and of the one chosen",
-                             labels=["when"])
-    for when, values in (("before", eplb.balancedness_before), ("after", eplb.balancedness_after)):
-        if values:
-            last.add_metric([when], sum(values) / len(values))
+                             labels=["engine", "when"])
+    for engine, eplb in engines:
+        for when, values in (("before", eplb.balancedness_before), ("after", eplb.balancedness_after)):
+            if values:
+                last.add_metric([engine, when], sum(values) / len(values))
     yield last
 
 
-def _accepted_per_position(s) -> Metric:
+def _accepted_per_position(engines) -> Metric:
     per_pos = CounterMetricFamily(PREFIX + "spec_decode_num_accepted_tokens_per_pos",
-                                  "draft tokens accepted, by position in the draft", labels=["position"])
-    for pos, count in enumerate(getattr(s, "spec_accepted_per_pos", None) or []):
-        per_pos.add_metric([str(pos)], count)
+                                  "draft tokens accepted, by position in the draft", labels=["engine", "position"])
+    for engine, s in engines:
+        for pos, count in enumerate(getattr(s, "spec_accepted_per_pos", None) or []):
+            per_pos.add_metric([engine, str(pos)], count)
     return per_pos
 
 
 class Metrics:
-    def __init__(self, stats: Callable[[], object]):
+    def __init__(self, engine_stats: Callable[[], Mapping[str, object]], collectors: Sequence[object] = ()):
+        """engine_stats: engine label -> its latest EngineStats (or None); collectors: more of the client's own
+        (the router's, under --data-parallel-replicas)."""
         disable_created_metrics()  # no `_created` series (process-wide setting; nothing else here uses them)
         self.registry = CollectorRegistry(auto_describe=False)
-        self.registry.register(_EngineStatsCollector(stats))
+        self.registry.register(_EngineStatsCollector(engine_stats))
+        for collector in collectors:
+            self.registry.register(collector)
         self._counters()
         self._histograms()
 

@@ -174,6 +174,22 @@ class StatusResponse(BaseModel):
     status: Literal["ok"]
 
 
+class RouterStateResponse(BaseModel):
+    """What `deepinfer router` polls (server/router_state.py)."""
+
+    instance: str = Field(description="changes whenever the server restarts")
+    block_size: int
+    prefix_cache_isolation: Literal["none", "key"]
+    kv_events: bool = Field(description="whether prefix-cache events are published (engine option --kv-events)")
+    alive: bool
+    engine_silent_s: float = Field(description="seconds since the engine's last message (it reports every ~0.25 s)")
+    load_tokens: int = Field(description="prompt + max_tokens x n of every open engine request")
+    num_requests: int
+    last_event: int = Field(description="the number of the newest prefix-cache event")
+    complete: bool = Field(description="false when some events after `since` are no longer kept")
+    events: list[list[str | None]] = Field(description='["stored" | "evicted", block hash hex] or ["cleared", null]')
+
+
 class VersionResponse(BaseModel):
     version: str
     server_pid: int

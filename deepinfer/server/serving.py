@@ -134,7 +134,7 @@ class _NoText:
         return ""
 
 
-def _encode(tokenizer, text: str, add_special_tokens: bool = True) -> list[int]:
+def encode_text(tokenizer, text: str, add_special_tokens: bool = True) -> list[int]:
     try:
         text.encode("utf-8")  # JSON can carry lone surrogates ("\ud800"); tokenizers cannot
     except UnicodeEncodeError as e:
@@ -159,6 +159,12 @@ def _check_text_only(messages: list) -> None:
                                   param="messages")
 
 
+def chat_prompt(tokenizer, req: ChatCompletionRequest, tools: ToolSetup) -> str:
+    """The prompt text of a chat request: its messages in the chat template, with its tools."""
+    kwargs = {**(req.chat_template_kwargs or {}), **({"tools": tools.tools} if tools.active else {})}
+    return render_chat(tokenizer, req.messages, req.add_generation_prompt, kwargs)
+
+
 def render_chat(tokenizer, messages: list, add_generation_prompt: bool, kwargs: dict | None) -> str:
     """The chat template applied to `messages`; template and input problems are the client's (400)."""
     if not messages:
@@ -172,7 +178,7 @@ def render_chat(tokenizer, messages: list, add_generation_prompt: bool, kwargs: 
         raise bad_request(f"the chat template could not be applied: {e}", param="messages") from None
 
 
-def _prompt_list(prompt) -> list[str | list[int]]:
+def prompt_list(prompt) -> list[str | list[int]]:
     """str | list[str] | list[int] | list[list[int]] -> one text or token-id list per engine request."""
     if isinstance(prompt, str):
         return [prompt]
@@ -373,9 +379,10 @@ class GuardedStream(StreamingResponse):
     """A StreamingResponse that always runs `on_close` and closes its body iterator, even when the
     client went away before the first chunk (the iterator is then never started by Starlette)."""
 
-    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None]):
+    def __init__(self, content: AsyncIterator[str | bytes], on_close: Callable[[], None],
+                 headers: dict[str, str] | None = None):
         super().__init__(content, media_type="text/event-stream",
-                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **(headers or {})})
         self._on_close = on_close
 
     async def __call__(self, scope, receive, send) -> None:
@@ -479,7 +486,7 @@ class Serving:
         """`text`'s token ids, encoded in a worker thread (HF tokenizers releases the GIL) once its length
         passed the cheap bound."""
         self._check_chars(text, param)
-        return await asyncio.to_thread(_encode, self.tokenizer, text, add_special_tokens)
+        return await asyncio.to_thread(encode_text, self.tokenizer, text, add_special_tokens)
 
     async def _render(self, messages: list, add_generation_prompt: bool, kwargs: dict | None) -> str:
         """render_chat in a worker thread: a large conversation must not stall the event loop."""
@@ -561,8 +568,7 @@ class Serving:
         self._check_limits(req)
         self.admission.precheck(1, req.n)  # before any templating or tokenising
         tools = tool_setup(req)
-        kwargs = {**(req.chat_template_kwargs or {}), **({"tools": tools.tools} if tools.active else {})}
-        text = await self._render(req.messages, req.add_generation_prompt, kwargs)
+        text = await asyncio.to_thread(chat_prompt, self._require_tokenizer("chat"), req, tools)  # off the loop
         prompt = Prompt(text, await self._tokens(text, req.add_special_tokens, param="messages"),
                         thinking_enabled(text))
         self._check_prompt(prompt.token_ids, req.output_limit)
@@ -576,7 +582,7 @@ class Serving:
         self.check_request(req.model)
         if req.suffix:
             raise bad_request("suffix is not supported", param="suffix")
-        raw = _prompt_list(req.prompt)
+        raw = prompt_list(req.prompt)
         self._check_limits(req)
         self.admission.precheck(len(raw), req.n)  # before any tokenising
         prompts = [await self._text_prompt(p, req.add_special_tokens) if isinstance(p, str) else Prompt(None, list(p))
