@@ -302,8 +302,7 @@ def run_serve(args: argparse.Namespace) -> int:
 def _add_serve_parser(commands) -> None:
     sub = commands.add_parser("serve", help="OpenAI-compatible HTTP server (see docs/serving.md)")
     sub.add_argument("model_path", nargs="?", metavar="MODEL", help="checkpoint directory (default: the bundled model)")
-    sub.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s, loopback only)")
-    sub.add_argument("--port", type=int, default=8000, help="port (default: %(default)s)")
+    _add_http_args(sub)
     sub.add_argument("--api-key", action="append", metavar="KEY",
                      help="require `Authorization: Bearer KEY` on /v1/*; repeat for several keys, any of which "
                           "is accepted (default: $DEEPINFER_API_KEY)")
@@ -321,12 +320,6 @@ def _add_serve_parser(commands) -> None:
     sub.add_argument("--drain-timeout", type=float, default=30.0,
                      help="seconds in-flight requests may run after SIGTERM (default: %(default)s)")
     sub.add_argument("--max-n", type=int, default=16, help="largest n per request (default: %(default)s)")
-    sub.add_argument("--max-body-bytes", type=int, default=16 * 2**20,
-                     help="largest request body, larger ones get 413 (default: %(default)s)")
-    sub.add_argument("--access-log", action=argparse.BooleanOptionalAction, default=True,
-                     help="log one line per HTTP request")
-    sub.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"),
-                     help="uvicorn's log level (default: %(default)s)")
     sub.add_argument("--data-parallel-replicas", type=int, default=1, metavar="N",
                      help="N engine processes (each with the engine options below) behind this server, routed "
                           "by --router-policy (default: %(default)s)")
@@ -334,6 +327,18 @@ def _add_serve_parser(commands) -> None:
                      default="cache_aware", help="how --data-parallel-replicas routes (default: %(default)s)")
     add_engine_args(sub)
     sub.set_defaults(handler=run_serve)
+
+
+def _add_http_args(sub: argparse.ArgumentParser) -> None:
+    """What `serve` and `router` share: where to listen, the body limit, logging."""
+    sub.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s, loopback only)")
+    sub.add_argument("--port", type=int, default=8000, help="port (default: %(default)s)")
+    sub.add_argument("--max-body-bytes", type=int, default=16 * 2**20,
+                     help="largest request body, larger ones get 413 (default: %(default)s)")
+    sub.add_argument("--access-log", action=argparse.BooleanOptionalAction, default=True,
+                     help="log one line per HTTP request")
+    sub.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"),
+                     help="uvicorn's log level (default: %(default)s)")
 
 
 # --- router --------------------------------------------------------------------------------------
@@ -348,8 +353,7 @@ def _add_router_parser(commands) -> None:
                               "instances, cache- and load-aware (see docs/serving.md)")
     sub.add_argument("--workers", nargs="+", required=True, metavar="URL",
                      help="the servers' base URLs, e.g. http://10.0.0.5:8000 (serve them with --kv-events)")
-    sub.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s, loopback only)")
-    sub.add_argument("--port", type=int, default=8000, help="port (default: %(default)s)")
+    _add_http_args(sub)
     sub.add_argument("--policy", choices=("cache_aware", "least_loaded", "round_robin"), default="cache_aware",
                      help="routing policy (default: %(default)s)")
     sub.add_argument("--balance-abs-tokens", type=int, default=4096, metavar="N",
@@ -373,12 +377,6 @@ def _add_router_parser(commands) -> None:
                           "leaves rotation (default: %(default)s)")
     sub.add_argument("--startup-timeout", type=float, default=60.0, metavar="S",
                      help="how long to wait for a first worker before serving anyway (default: %(default)s)")
-    sub.add_argument("--max-body-bytes", type=int, default=16 * 2**20,
-                     help="largest request body, larger ones get 413 (default: %(default)s)")
-    sub.add_argument("--access-log", action=argparse.BooleanOptionalAction, default=True,
-                     help="log one line per HTTP request")
-    sub.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"),
-                     help="uvicorn's log level (default: %(default)s)")
     sub.set_defaults(handler=run_router)
 
 

@@ -36,8 +36,7 @@ class _EngineStatsCollector:
 
     def collect(self) -> Iterator[Metric]:
         engines = [(name, s) for name, s in self._engines().items()]
-        yield from _engine_gauges(engines)
-        yield from _engine_counters(engines)
+        yield from _engine_series(engines)
         yield _accepted_per_position(engines)
         yield from _per_replica(engines)
         yield from _per_rank(engines)
@@ -60,20 +59,14 @@ _COUNTERS = {"num_preemptions": ("requests preempted by the scheduler", "num_pre
              "spec_decode_num_accepted_tokens": ("draft tokens accepted", "spec_num_accepted_tokens")}
 
 
-def _engine_gauges(engines) -> Iterator[Metric]:
-    for name, (doc, attr) in _GAUGES.items():
-        family = GaugeMetricFamily(PREFIX + name, doc, labels=["engine"])
-        for engine, s in engines:
-            family.add_metric([engine], getattr(s, attr, 0))
-        yield family
-
-
-def _engine_counters(engines) -> Iterator[Metric]:
-    for name, (doc, attr) in _COUNTERS.items():
-        family = CounterMetricFamily(PREFIX + name, doc, labels=["engine"])
-        for engine, s in engines:
-            family.add_metric([engine], getattr(s, attr, 0))
-        yield family
+def _engine_series(engines) -> Iterator[Metric]:
+    """The scalar series of EngineStats, one sample per engine."""
+    for kind, table in ((GaugeMetricFamily, _GAUGES), (CounterMetricFamily, _COUNTERS)):
+        for name, (doc, attr) in table.items():
+            family = kind(PREFIX + name, doc, labels=["engine"])
+            for engine, s in engines:
+                family.add_metric([engine], getattr(s, attr, 0))
+            yield family
 
 
 def _per_replica(engines) -> Iterator[Metric]:
