@@ -130,7 +130,7 @@ def test_hung_replica_leaves_rotation_and_unstarted_requests_retry(ckpt):
             with pytest.raises(ReplicaLost, match="hung"):
                 async for _ in running:
                     pass
-            assert time.monotonic() - started < 2.0 + 1.5  # the hang timeout plus a few health ticks
+            assert time.monotonic() - started < 2.0  # the hang timeout (1.5 s) plus at most two health ticks
             assert len(await retried) == 2  # went to the hung replica, got nothing, retried on the other
             assert victim not in client.state.healthy or client.restarts == 1
         finally:

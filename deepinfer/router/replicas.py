@@ -34,7 +34,7 @@ from deepinfer.server.engine_client import AsyncEngineClient, EngineDeadError, R
 logger = logging.getLogger("deepinfer.router")
 
 
-HANG_TIMEOUT_S = 2.0
+HANG_TIMEOUT_S = 1.5  # with the 0.25 s check: a silent replica is given up within 2 s
 HEALTH_INTERVAL_S = 0.25
 RESTART_BACKOFF_S = 1.0
 
