@@ -225,6 +225,7 @@ def _healthy(router, engine: int) -> bool:
     return f'deepinfer:router_engine_healthy{{engine="{engine}"}} 1.0' in httpx.get(router.url + "/metrics").text
 
 
+@pytest.mark.slow  # the in-process replicas' kill test (test_router_replicas.py) runs by default
 def test_lost_workers_lose_only_their_own_requests_and_rejoin(tmp_path):
     """Kill worker 1 mid-load: its streams end with replica_lost, worker 0's complete, it leaves rotation
     within 2 s and rejoins when restarted. Hang it (SIGSTOP): a request routed to it before the router

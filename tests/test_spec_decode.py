@@ -191,7 +191,7 @@ def bundled_reference():
     return first, again
 
 
-@pytest.mark.parametrize("method", ["mtp", "ngram", "dspark", "mtp-adaptive"])
+@pytest.mark.parametrize("method", ["mtp", "ngram", "dspark", pytest.param("mtp-adaptive", marks=pytest.mark.slow)])
 def test_bundled_greedy_is_identical_with_speculation(bundled_reference, method):
     """Mixed batch (lengths, penalties, min_tokens, chunked prefill under a 48-token budget), then the
     same prompts extended so they hit the prefix cache. Adaptive: drafting switches on and off."""

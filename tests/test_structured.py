@@ -97,6 +97,7 @@ def _params(i: int, spec: Spec | None, max_tokens: int) -> SamplingParams:
     return SamplingParams(max_tokens=max_tokens, temperature=0.0 if i % 2 else 0.9, seed=i, structured_outputs=spec)
 
 
+@pytest.mark.slow
 @FAST
 @given(st.lists(SCHEMAS, min_size=30, max_size=30))
 def test_generated_json_schemas_always_validate_in_mixed_batches(llm, schemas):

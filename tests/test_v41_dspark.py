@@ -94,7 +94,8 @@ def _run(name: str, spec: dict | None, prompts, params, batched: bool):
         llm.shutdown()
 
 
-@pytest.mark.parametrize("name,k", [("a", 2), ("b", 3), ("b", 1)])
+@pytest.mark.parametrize("name,k", [pytest.param("a", 2, marks=pytest.mark.slow),
+                                    pytest.param("b", 3, marks=pytest.mark.slow), ("b", 1)])
 def test_greedy_is_identical_with_dspark(name, k):
     g = json.loads((GOLDEN / name / "golden.json").read_text())
     prompts = [{"prompt_token_ids": p} for p in g["prompts"]]
@@ -162,6 +163,7 @@ def test_backbone_is_lossless_under_rejected_drafts(monkeypatch):
     assert out == base
 
 
+@pytest.mark.slow
 def test_confidence_scheduled_verify_length_is_lossless():
     """verify_policy adaptive: the DSpark confidence head's probabilities set each request's verify length."""
     g = json.loads((GOLDEN / "b" / "golden.json").read_text())
