@@ -588,9 +588,19 @@ class EngineArgs:
     eplb_placement: str | None = None
     # publish prefix-cache events (stored / evicted block hashes) with the engine's outputs, for a DP router
     kv_events: bool = False
+    # Prefill/decode disaggregation (deepinfer/disagg, docs/disaggregation.md): none | prefill | decode. A prefill
+    # engine holds a finished prompt's cache for a decode engine to read (until it is released or the lease runs
+    # out); a decode engine reads it by component name over the transfer backend (mooncake | dlslime | local).
+    disaggregation_mode: str = "none"
+    disaggregation_transfer_backend: str = "mooncake"
+    disaggregation_bootstrap_host: str = "127.0.0.1"  # where this engine's bootstrap service and transport listen
+    disaggregation_bootstrap_port: int = 0  # prefill: the bootstrap service's port (0: any free port)
+    disaggregation_lease_s: float = 30.0  # prefill: a held prompt cache nobody collects is freed after this
+    disaggregation_transfer_timeout_s: float = 10.0  # decode: a handshake or read taking longer fails its request
 
     def __post_init__(self):
         _ = self.parallel  # validates the sizes
+        self._check_disaggregation()
         if self.moe_comm not in ("allgather", "alltoall"):
             raise ValueError(f"moe_comm must be allgather or alltoall, got {self.moe_comm!r}")
         if self.distributed_workers not in ("spawn", "external"):
@@ -638,6 +648,18 @@ class EngineArgs:
                              "and more than one rank (they place experts over the expert-parallel ranks)")
         if eplb.enabled and self.eplb_window_size == 0:
             raise ValueError("enable_eplb needs the expert-load statistics (eplb_window_size > 0)")
+
+    def _check_disaggregation(self) -> None:
+        if self.disaggregation_mode not in ("none", "prefill", "decode"):
+            raise ValueError(f"disaggregation_mode must be none, prefill or decode, got {self.disaggregation_mode!r}")
+        if self.disaggregation_transfer_backend not in ("mooncake", "dlslime", "local"):
+            raise ValueError("disaggregation_transfer_backend must be mooncake, dlslime or local, got "
+                             f"{self.disaggregation_transfer_backend!r}")
+        if self.disaggregation_lease_s <= 0 or self.disaggregation_transfer_timeout_s <= 0:
+            raise ValueError("disaggregation_lease_s and disaggregation_transfer_timeout_s must be > 0")
+        if self.disaggregation_mode != "none" and self.parallel.world_size > 1:
+            raise ValueError("prefill/decode disaggregation runs single-process engines for now (one tensor- and "
+                             "data-parallel rank each); scale out with more prefill and decode instances")
 
     def _check_two_batch_overlap(self) -> None:
         if not self.enable_expert_parallel or self.tensor_parallel_size != 1:

@@ -15,6 +15,7 @@ from deepinfer.sampling_params import SamplingParams
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
+    WAITING_FOR_REMOTE_KV = "waiting_for_remote_kv"  # decode engine: blocks reserved, the prompt cache in transfer
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
@@ -22,7 +23,7 @@ class RequestStatus(enum.Enum):
 
     @property
     def is_finished(self) -> bool:
-        return self not in (RequestStatus.WAITING, RequestStatus.RUNNING)
+        return self not in (RequestStatus.WAITING, RequestStatus.RUNNING, RequestStatus.WAITING_FOR_REMOTE_KV)
 
 
 @dataclass(eq=False)
@@ -49,6 +50,18 @@ class Request:
     grammar: Any = None  # structured outputs: this sample's RequestGrammar (deepinfer.structured.manager)
     spec_token_ids: list[int] = field(default_factory=list)  # drafts proposed after the last step, unverified
     spec_confidence: list[float] | None = None  # the proposer's predicted acceptance of each draft
+    # Disaggregation: {"do_remote_decode": True} on a prefill engine; the prefill engine's kv_transfer_params
+    # (remote_bootstrap, transfer_id) on a decode engine. None: colocated.
+    kv_transfer: dict | None = None
+    kv_transfer_params: dict | None = None  # prefill engine: what the decode engine is given, once held
+
+    @property
+    def sends_cache(self) -> bool:
+        return bool(self.kv_transfer and self.kv_transfer.get("do_remote_decode"))
+
+    @property
+    def receives_cache(self) -> bool:
+        return bool(self.kv_transfer and self.kv_transfer.get("remote_bootstrap"))
 
     def __post_init__(self):
         if self.params.seed is not None:

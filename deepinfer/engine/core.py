@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 from deepinfer.config import EngineArgs, ModelConfig, model_dtype
+from deepinfer.disagg.connector import build_connector, restore_generator
 from deepinfer.engine.kv_cache import KVCacheManager
 from deepinfer.engine.outputs import RunnerOutput, SchedulerOutput
 from deepinfer.engine.scheduler import Scheduler
@@ -50,6 +51,9 @@ def effective_args(args: EngineArgs | None) -> EngineArgs:
     args = args or EngineArgs()
     if args.speculative is not None and args.async_scheduling:
         logger.info("speculative decoding runs synchronous steps: async scheduling is off")
+        args = replace(args, async_scheduling=False)
+    if args.disaggregation_mode != "none" and args.async_scheduling:
+        logger.info("disaggregated engines run synchronous steps: async scheduling is off")
         args = replace(args, async_scheduling=False)
     return args
 
@@ -147,6 +151,7 @@ class EngineCore:
         self.in_flight: tuple[SchedulerOutput, Future] | None = None
         if self.speculative is not None and self.speculative.verify_policy == "adaptive":
             calibrate_speculation(self)
+        self.connector = build_connector(self)  # disaggregation (disagg/connector.py); None when colocated
 
     @property
     def executor(self):
@@ -167,11 +172,13 @@ class EngineCore:
 
     # --- requests ------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    priority: int = 0, cache_salt: str | None = None) -> list[Request]:
+                    priority: int = 0, cache_salt: str | None = None, kv_transfer: dict | None = None) -> list[Request]:
         """Validate and queue; returns the n sample requests. Raises ValueError and queues nothing."""
         if not isinstance(params, SamplingParams):
             raise ValueError(f"request {request_id}: sampling params must be SamplingParams, got {type(params)}")
         max_out = self.validate_request(request_id, prompt_token_ids, params)
+        if kv_transfer:
+            max_out = self._validate_transfer(request_id, kv_transfer, params, max_out)
         ids = [request_id] if params.n == 1 else [f"{request_id}-{i}" for i in range(params.n)]
         if any(i in self.scheduler.requests for i in ids):
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -179,7 +186,7 @@ class EngineCore:
         for i, rid in enumerate(ids):
             req = Request(rid, list(prompt_token_ids), params, max_out, priority=priority,
                           eos_token_ids=self.model_config.eos_token_ids, sample_index=i,
-                          fork_of=requests[0] if i else None, cache_salt=cache_salt)
+                          fork_of=requests[0] if i else None, cache_salt=cache_salt, kv_transfer=kv_transfer or None)
             if params.structured_outputs is not None:  # each sample advances its own matcher
                 req.grammar = self.structured.request_state(params.structured_outputs)
             requests.append(req)
@@ -209,6 +216,24 @@ class EngineCore:
                              "(the truncated layers skip most prompt positions)")
         room = capacity - n  # a request alone always fits, so preemption always makes progress
         return room if params.max_tokens is None else min(params.max_tokens, room)
+
+    def _validate_transfer(self, request_id: str, kv_transfer: dict, params: SamplingParams, max_out: int) -> int:
+        """The output cap of a disaggregated request (a prefill engine samples only the first token), or
+        ValueError when this engine's role cannot serve it."""
+        mode = self.args.disaggregation_mode
+        wants = "prefill" if kv_transfer.get("do_remote_decode") else "decode" if kv_transfer.get(
+            "remote_bootstrap") else None
+        if wants is None:
+            raise ValueError(f"request {request_id}: kv_transfer_params needs do_remote_decode (prefill engine) or "
+                             "remote_bootstrap and transfer_id (decode engine)")
+        if wants != mode:
+            raise ValueError(f"request {request_id}: kv_transfer_params are for a {wants} engine; this engine's "
+                             f"disaggregation mode is {mode!r}")
+        if wants == "decode" and not isinstance(kv_transfer.get("transfer_id"), str):
+            raise ValueError(f"request {request_id}: kv_transfer_params has no transfer_id")
+        if params.n != 1 or params.prompt_logprobs is not None:
+            raise ValueError(f"request {request_id}: disaggregated requests take n=1 and no prompt_logprobs")
+        return 1 if wants == "prefill" else max_out
 
     def warm_structured_outputs(self) -> None:
         """Build the structured-output manager on a background thread now (its tokenizer tables take about a
@@ -263,12 +288,59 @@ class EngineCore:
         """
         if self._worker is not None:
             return self._step_async()
+        arrived = self.service_transfers()
+        if arrived:  # a step of its own, so each arrival's first token and logprobs come out alone
+            return arrived
         started = time.perf_counter()
         failed, out = self.begin_step()
+        self._start_loads(out)
         if out.is_empty:
             self.last_result = RunnerOutput()
+            if self.scheduler.receiving:
+                self.connector.wait(0.005)  # nothing to compute until a transfer ends
             return failed
         return failed + self.end_step(out, self.runner.execute(out), started)
+
+    # --- disaggregation ------------------------------------------------------------------------
+    def service_transfers(self) -> list[Request]:
+        """Prefill: end released and expired holds. Decode: fold in finished transfers; returns the requests
+        whose cache arrived (their first token is out) or whose transfer failed. Call between steps."""
+        if self.connector is None:
+            return []
+        if self.connector.role == "prefill":
+            self.connector.service()
+            return []
+        touched, logprobs = [], {}
+        for event in self.connector.poll():
+            req = self._apply_load(event)
+            if req is not None:
+                touched.append(req)
+                if event.record and event.record.get("logprobs") is not None:
+                    logprobs[req.request_id] = tuple(event.record["logprobs"])
+        if touched:
+            self.last_scheduled, self.last_result = SchedulerOutput(), RunnerOutput(logprobs=logprobs)
+        return touched
+
+    def _apply_load(self, event) -> Request | None:
+        if event.kind == "ended":
+            self.scheduler.load_ended(event.request_id)
+            return None
+        if event.kind == "failed":
+            return self.scheduler.remote_failed(event.request_id, event.error)
+        req = self.scheduler.receiving.get(event.request_id)
+        if req is not None:
+            restore_generator(req, event.record)
+        return self.scheduler.remote_arrived(event.request_id, event.record["first_token"], event.record["drafts"])
+
+    def _start_loads(self, out: SchedulerOutput) -> None:
+        for load in out.kv_loads:
+            self.connector.start(load)
+
+    def _hold_sent(self, result: RunnerOutput) -> None:
+        """Prefill: requests that finished their prompt this step keep their cache for the decode engine."""
+        for req in self.scheduler.sent:
+            req.kv_transfer_params = self.connector.sent(req, result)
+        self.scheduler.sent.clear()
 
     def begin_step(self) -> tuple[list[Request], SchedulerOutput]:
         """Synchronous step, first half: requests failed before scheduling, and what to compute."""
@@ -282,6 +354,7 @@ class EngineCore:
         """Synchronous step, second half: fold the runner's result in; returns the requests it changed."""
         self.last_result = result
         touched = self.scheduler.update(out, result)
+        self._hold_sent(result)
         self.scheduler.record_step(out, result, time.perf_counter() - started)
         return touched
 
@@ -351,6 +424,8 @@ class EngineCore:
     def shutdown(self) -> None:
         """Finish the step in flight (its tokens are dropped), stop the worker thread and any ranks."""
         self.settle()
+        if self.connector is not None:
+            self.connector.close()
         close = getattr(self.runner, "close", None)
         if close is not None:
             close()

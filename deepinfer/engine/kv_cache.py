@@ -121,6 +121,11 @@ def chain_hashes(tokens: list[int], block_size: int, salt: str | None, previous:
     return hashes
 
 
+def prompt_digest(tokens: list[int]) -> str:
+    """Names a prompt exactly (disaggregation checks both engines hold the same one)."""
+    return hashlib.blake2b(np.asarray(tokens, dtype=np.int64).tobytes(), digest_size=16).hexdigest()
+
+
 @dataclass
 class ForkCopy:
     """After a step: child's last (partial) block and state slot become copies of the parent's."""
@@ -225,6 +230,12 @@ class KVCacheManager:
         if held is not None and len(held) > keep:
             self.pool.release(held[keep:])
             del held[keep:]
+
+    def hold(self, request_id: str, key: str) -> tuple[list[int], int]:
+        """Move a request's blocks and state slot to `key` (a prefill engine's sending hold); free(key) ends it."""
+        self.blocks[key] = self.blocks.pop(request_id)
+        self.slots[key] = self.slots.pop(request_id)
+        return list(self.blocks[key]), self.slots[key]
 
     def free(self, request_id: str) -> None:
         self.pool.release(self.blocks.pop(request_id, []))

@@ -42,6 +42,20 @@ class ScheduledRequest:
         return len(self.draft_token_ids)
 
 
+@dataclass(frozen=True)
+class KVLoad:
+    """Disaggregation, decode engine: read this request's prompt cache from its prefill engine into the blocks
+    and state slot reserved for it (the first `skip_blocks` blocks are a local prefix-cache hit)."""
+
+    request_id: str
+    params: dict  # the request's kv_transfer_params (remote_bootstrap, transfer_id)
+    num_tokens: int
+    prompt_digest: str
+    blocks: list[int]
+    slot: int
+    skip_blocks: int
+
+
 @dataclass
 class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
@@ -54,6 +68,7 @@ class SchedulerOutput:
     # whose next token is constrained; None when no row is constrained.
     grammar_bitmask: Future | None = None
     propose_drafts: bool = True  # False: no drafting this step (adaptive policy measured plain decoding faster)
+    kv_loads: list[KVLoad] = field(default_factory=list)  # disaggregation: transfers to start (no compute)
 
     @property
     def num_tokens(self) -> int:

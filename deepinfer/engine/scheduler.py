@@ -15,8 +15,8 @@ from collections import deque
 from collections.abc import Callable
 
 from deepinfer.config import SchedulerConfig, SpeculativeConfig
-from deepinfer.engine.kv_cache import KVCacheManager, chain_hashes
-from deepinfer.engine.outputs import RunnerOutput, ScheduledRequest, SchedulerOutput
+from deepinfer.engine.kv_cache import KVCacheManager, chain_hashes, prompt_digest
+from deepinfer.engine.outputs import KVLoad, RunnerOutput, ScheduledRequest, SchedulerOutput
 from deepinfer.request import Request, RequestStatus
 from deepinfer.spec.policy import SpeculationGate, StepTimeProfile, choose_verify_lengths
 from deepinfer.spec.stats import SpecDecodeStats
@@ -52,6 +52,14 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.pending_forks: dict[str, list[Request]] = {}  # parent id -> siblings waiting to fork
         self.num_preemptions = 0
+        # Disaggregation. Decode: requests whose reserved blocks await their prompt cache; those whose read may
+        # still write their blocks; aborted ones among them, freed when their read ends. Prefill: requests that
+        # finished their prompt and first token this step and keep their cache for a decode engine (the engine
+        # moves it to a hold right after the update).
+        self.receiving: dict[str, Request] = {}
+        self.loading: set[str] = set()
+        self.orphaned: set[str] = set()
+        self.sent: list[Request] = []
 
     # --- admission ---------------------------------------------------------------------------
     def add(self, request: Request) -> None:
@@ -73,7 +81,7 @@ class Scheduler:
 
     @property
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running or self.pending_forks)
+        return bool(self.waiting or self.running or self.pending_forks or self.receiving)
 
     # --- one step ----------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -224,10 +232,14 @@ class Scheduler:
         out.preempted.append(req.request_id)
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        while self.waiting and budget > 0 and len(self.running) + len(self.receiving) < self.config.max_num_seqs:
             req = self._first_ready()
             if req is None or req.num_pending:
                 return  # grammars still compiling, or preempted with a token in flight: readmitted once known
+            if req.receives_cache:
+                if not self._reserve(req, out):
+                    return
+                continue
             prefix, start, restore = self._cached_prefix(req)
             n = self._align(start, min(req.num_tokens - start, budget))
             # Without chunked prefill a prompt waits for a budget it fits in; one larger than any budget is chunked.
@@ -242,6 +254,52 @@ class Scheduler:
             self.running.append(req)
             out.scheduled.append(self._scheduled(req, n))
             budget -= n
+
+    # --- disaggregation ------------------------------------------------------------------------
+    def _reserve(self, req: Request, out: SchedulerOutput) -> bool:
+        """Decode engine: blocks for the prompt (a local prefix hit is shared, not read) and a state slot, then
+        the request waits for its cache; it computes nothing until it arrives."""
+        prefix = []
+        if self._caches(req):
+            req.block_hashes = chain_hashes(req.prompt_token_ids, self.kv.block_size, req.cache_salt, req.block_hashes)
+            prefix = self.kv.cached_prefix(req.block_hashes, req.num_tokens - 1)
+        if not self._allocate(req, req.num_tokens, prefix):
+            return False
+        if self._caches(req):
+            self.kv.record_lookup(req.num_prompt_tokens, len(prefix) * self.kv.block_size)
+        self.waiting.remove(req)
+        req.status = RequestStatus.WAITING_FOR_REMOTE_KV
+        self.receiving[req.request_id] = req
+        self.loading.add(req.request_id)
+        out.kv_loads.append(KVLoad(req.request_id, req.kv_transfer, req.num_tokens, prompt_digest(req.prompt_token_ids),
+                                   list(self.kv.blocks[req.request_id]), self.kv.slots[req.request_id], len(prefix)))
+        return True
+
+    def remote_arrived(self, request_id: str, first_token: int, drafts: list[int]) -> Request | None:
+        """The prompt cache is in place: the request has computed its prompt and sampled `first_token`."""
+        req = self.receiving.pop(request_id, None)
+        if req is None:
+            return None  # aborted meanwhile
+        req.num_computed_tokens = req.num_tokens
+        req.status = RequestStatus.RUNNING
+        self.running.append(req)
+        self._append(req, [first_token], 0)
+        req.spec_token_ids = [] if req.is_finished else list(drafts)
+        return req
+
+    def remote_failed(self, request_id: str, error: str) -> Request | None:
+        if request_id not in self.receiving:
+            return None
+        req = self.finish(request_id, RequestStatus.FINISHED_ERROR)
+        req.stop_reason = error
+        return req
+
+    def load_ended(self, request_id: str) -> None:
+        """The request's read can no longer write its blocks; an aborted request's blocks are freed now."""
+        self.loading.discard(request_id)
+        if request_id in self.orphaned:
+            self.orphaned.discard(request_id)
+            self.kv.free(request_id)
 
     def _first_ready(self) -> Request | None:
         """The first waiting request whose grammar (if any) has compiled; the others keep their place."""
@@ -409,8 +467,14 @@ class Scheduler:
                 siblings.remove(req)
         if req.request_id in self.pending_forks:
             self._release_siblings(req.request_id)
-        self.kv.free(req.request_id)
+        self.receiving.pop(request_id, None)
         req.status = status
+        if request_id in self.loading:
+            self.orphaned.add(request_id)  # its read may still write the blocks: load_ended frees them
+        elif req.sends_cache and status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH):
+            self.sent.append(req)  # its cache stays for the decode engine
+        else:
+            self.kv.free(req.request_id)
         return req
 
 
