@@ -351,8 +351,13 @@ def run_router(args: argparse.Namespace) -> int:
 def _add_router_parser(commands) -> None:
     sub = commands.add_parser("router", help="one OpenAI-compatible endpoint in front of several `deepinfer serve` "
                               "instances, cache- and load-aware (see docs/serving.md)")
-    sub.add_argument("--workers", nargs="+", required=True, metavar="URL",
-                     help="the servers' base URLs, e.g. http://10.0.0.5:8000 (serve them with --kv-events)")
+    roles = sub.add_mutually_exclusive_group(required=True)
+    roles.add_argument("--workers", nargs="+", metavar="URL",
+                       help="the servers' base URLs, e.g. http://10.0.0.5:8000 (serve them with --kv-events)")
+    roles.add_argument("--prefill", nargs="+", metavar="URL", help="disaggregation: the prefill servers (serve "
+                       "them with --disaggregation-mode prefill; give --decode too; docs/disaggregation.md)")
+    sub.add_argument("--decode", nargs="+", metavar="URL", help="disaggregation: the decode servers "
+                     "(--disaggregation-mode decode)")
     _add_http_args(sub)
     sub.add_argument("--policy", choices=("cache_aware", "least_loaded", "round_robin"), default="cache_aware",
                      help="routing policy (default: %(default)s)")

@@ -33,10 +33,10 @@ TOOLS = [{"type": "function", "function": {"name": "add", "description": "Add tw
 class RouterProcess:
     """`python -m deepinfer router` in a subprocess, logging to a file."""
 
-    def __init__(self, workers, log, *flags: str):
+    def __init__(self, workers, log, *flags: str, pools: list[str] | None = None):
         self.port, self.log_path = free_port(), log
-        urls = [w.url for w in workers]
-        cmd = [sys.executable, "-m", "deepinfer", "router", "--workers", *urls, "--port", str(self.port),
+        pools = pools or ["--workers", *(w.url for w in workers)]  # or e.g. --prefill URL --decode URL
+        cmd = [sys.executable, "-m", "deepinfer", "router", *pools, "--port", str(self.port),
                "--api-key", KEY, "--log-level", "warning", "--no-access-log", *flags]
         with open(log, "wb") as out:
             self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **SERVER_ENV})

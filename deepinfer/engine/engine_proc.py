@@ -98,7 +98,7 @@ class EngineLoop:
                 raise ValueError(f"request id {msg.request_id!r} is already in use")
             params = SamplingParams(**msg.params)
             requests = self.core.add_request(msg.request_id, list(msg.prompt_token_ids), params, msg.priority,
-                                             cache_salt=msg.cache_salt)
+                                             cache_salt=msg.cache_salt, kv_transfer=msg.kv_transfer)
         except ValueError as e:
             return RequestError(msg.request_id, str(e), 400)
         except Exception as e:  # a bug, not bad input: report it and keep serving
@@ -145,6 +145,9 @@ class EngineLoop:
                            self._prompt_logprobs(group, req), num_prompt_tokens=group.num_prompt_tokens)
         if req.is_finished:
             out.finish_reason, out.stop_reason = req.status.value, req.stop_reason
+            out.kv_transfer_params = req.kv_transfer_params
+            if req.receives_cache and req.status == RequestStatus.FINISHED_ERROR:
+                out.error = str(req.stop_reason)  # its cache never arrived: the request fails (500)
             self._forget(req.request_id)
         return out
 
@@ -211,7 +214,7 @@ class EngineLoop:
         waiting = sum(len(s.waiting) + sum(len(f) for f in s.pending_forks.values()) for s in scheds)
         specs = [s.spec_stats for s in scheds]
         accepted = [sum(x) for x in itertools.zip_longest(*(s.accepted_per_pos for s in specs), fillvalue=0)]
-        return EngineStats(sum(len(s.running) for s in scheds), waiting, max(kv.usage() for kv in kvs),
+        stats = EngineStats(sum(len(s.running) for s in scheds), waiting, max(kv.usage() for kv in kvs),
                            sum(kv.num_free_blocks for kv in kvs), sum(c.layout.num_blocks for c in cores),
                            self.prompt_tokens_total, self.generation_tokens_total,
                            sum(s.num_preemptions for s in scheds), time.time(),
@@ -220,6 +223,21 @@ class EngineLoop:
                            sum(s.num_accepted_tokens for s in specs), accepted,
                            [_replica_metrics(d, c) for d, c in enumerate(cores)] if len(cores) > 1 else [],
                            *_rank_metrics(self.core))
+        _add_transfer_stats(stats, [c.connector for c in cores if getattr(c, "connector", None) is not None])
+        return stats
+
+
+def _add_transfer_stats(stats: EngineStats, connectors) -> None:
+    for c in connectors:
+        t = c.stats
+        stats.kv_transfers_held += getattr(c, "num_held", 0)
+        stats.kv_transfers_sent += t.sent
+        stats.kv_transfers_released += t.released
+        stats.kv_transfer_leases_expired += t.leases_expired
+        stats.kv_transfers_received += t.received
+        stats.kv_transfers_failed += t.failed
+        stats.kv_transfer_bytes += t.bytes
+        stats.kv_transfer_seconds += t.seconds
 
 
 def _replica_metrics(d: int, core: EngineCore) -> ReplicaMetrics:
@@ -276,6 +294,9 @@ class _Server:
     def run(self) -> None:
         while self._parent_alive():
             busy = self.loop.core.has_unfinished
+            if not busy:  # disaggregation: leases run out and aborted reads end while idle too
+                for core in replicas(self.loop.core):
+                    core.service_transfers()
             if not self._apply(self._receive(0 if busy else IDLE_POLL_MS)):
                 return
             self._send(self.loop.step() if self.loop.core.has_unfinished else [])

@@ -35,6 +35,7 @@ class AddRequest(_Msg):
     priority: int = 0
     arrival_time: float = 0.0  # the client's time.time(); informational, scheduling uses engine arrival
     cache_salt: str | None = None  # requests with different salts never share cached prefix blocks
+    kv_transfer: dict | None = None  # disaggregation: the request's kv_transfer_params (docs/disaggregation.md)
 
 
 class AbortRequest(_Msg):
@@ -83,6 +84,7 @@ class EngineOutput(_Msg):
     stop_reason: int | str | None = None  # the stop token id that ended the sample, if any
     num_prompt_tokens: int = 0
     error: str | None = None  # set when finish_reason == "error"
+    kv_transfer_params: dict | None = None  # prefill engine, final output: what the decode engine is given
 
     @property
     def finished(self) -> bool:
@@ -143,6 +145,16 @@ class EngineStats(_Msg):
     eplb_balancedness: list[float] = []  # per MoE layer: mean / max tokens per EP rank over the stats window
     eplb: EplbMetrics | None = None  # live EPLB counters (EPLB only)
     eplb_expert_load: list[list[int]] = []  # [MoE layer][logical expert] tokens over the window, all ranks (EP)
+    # disaggregation (disagg/connector.TransferStats): prefill holds now, handed off, released, expired;
+    # decode transfers received, failed, their bytes and seconds
+    kv_transfers_held: int = 0
+    kv_transfers_sent: int = 0
+    kv_transfers_released: int = 0
+    kv_transfer_leases_expired: int = 0
+    kv_transfers_received: int = 0
+    kv_transfers_failed: int = 0
+    kv_transfer_bytes: int = 0
+    kv_transfer_seconds: float = 0.0
 
 
 class EngineOutputs(_Msg):

@@ -251,7 +251,7 @@ def _returned(response: httpx.Response, worker: Worker) -> dict[str, str]:
 
 
 # --- the app -------------------------------------------------------------------------------------
-def build_router_app(proxy: Proxy, api_keys: tuple[str, ...], max_body_bytes: int) -> FastAPI:
+def build_router_app(proxy, api_keys: tuple[str, ...], max_body_bytes: int) -> FastAPI:
     app = FastAPI(title="deepinfer router", version=__version__, openapi_url=None)
     install_error_handlers(app)
     app.add_middleware(Gate, api_keys=api_keys, max_body_bytes=max_body_bytes)
@@ -281,6 +281,9 @@ def run_router(args: argparse.Namespace) -> int:
     """`deepinfer router`: serve until stopped; returns the exit status."""
     from deepinfer.server.launch import api_keys_from, bind_socket, load_tokenizer
 
+    if bool(args.prefill) != bool(args.decode):
+        print("deepinfer router: --prefill and --decode go together (a prefill and a decode pool)", file=sys.stderr)
+        return 2
     config = RouterConfig(args.policy, args.balance_abs_tokens, args.balance_rel)
     tokenizer = load_tokenizer(_tokenizer_dir(args))
     keys = api_keys_from(args)
@@ -300,16 +303,28 @@ def _tokenizer_dir(args: argparse.Namespace) -> Path:
 
 
 async def _serve(args, sock, config: RouterConfig, tokenizer, keys: tuple[str, ...], worker_key: str | None) -> None:
-    pool = WorkerPool(args.workers, config, worker_key, args.poll_interval_ms / 1000, args.health_timeout,
-                      args.hang_timeout)
-    pool.start()
+    groups = [args.workers] if args.workers else [args.prefill, args.decode]
+    pools = [WorkerPool(urls, config, worker_key, args.poll_interval_ms / 1000, args.health_timeout,
+                        args.hang_timeout) for urls in groups]
+    for pool in pools:
+        pool.start()
     try:
-        app = build_router_app(Proxy(pool, tokenizer, RouterStats()), keys, args.max_body_bytes)
-        if not await pool.wait_ready(args.startup_timeout):
-            print(f"deepinfer router: no worker answered within {args.startup_timeout} s ({pool.reasons()}); "
-                  "serving anyway, requests get 503 until one does", file=sys.stderr, flush=True)
+        stats = RouterStats()
+        proxies = [Proxy(pool, tokenizer, stats) for pool in pools]
+        if len(proxies) == 1:
+            proxy = proxies[0]
+        else:
+            from deepinfer.router.pd import DisaggregatedProxy
+
+            proxy = DisaggregatedProxy(*proxies)
+        app = build_router_app(proxy, keys, args.max_body_bytes)
+        for pool in pools:
+            if not await pool.wait_ready(args.startup_timeout):
+                print(f"deepinfer router: no worker answered within {args.startup_timeout} s ({pool.reasons()}); "
+                      "serving anyway, requests get 503 until one does", file=sys.stderr, flush=True)
         server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, lifespan="off",
                                                access_log=args.access_log, log_level=args.log_level))
         await server.serve(sockets=[sock])
     finally:
-        await pool.close()
+        for pool in pools:
+            await pool.close()

@@ -89,7 +89,8 @@ class ReplicatedEngineClient:
 
     # --- requests --------------------------------------------------------------------------------
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                       priority: int = 0, cache_salt: str | None = None) -> AsyncIterator:
+                       priority: int = 0, cache_salt: str | None = None,
+                       kv_transfer: dict | None = None) -> AsyncIterator:
         """AsyncEngineClient.generate on the replica the router picks for the request; retried once on
         another replica when its replica is lost before the request produced anything, else ReplicaLost
         (the server answers 503)."""
@@ -97,7 +98,8 @@ class ReplicatedEngineClient:
             replica, cost = self._route(request_id, prompt_token_ids, params, cache_salt)
             client, produced = self.clients[replica], False
             try:
-                async for out in client.generate(request_id, prompt_token_ids, params, priority, cache_salt):
+                stream = client.generate(request_id, prompt_token_ids, params, priority, cache_salt, kv_transfer)
+                async for out in stream:
                     if out.finish_reason == "error" and client.dead:
                         if not produced and attempt == 0:
                             break  # lost before anything reached the caller: route again

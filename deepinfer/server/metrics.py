@@ -49,14 +49,23 @@ _GAUGES = {"num_requests_running": ("requests running in the engine", "num_runni
            "num_requests_waiting": ("requests waiting in the engine", "num_waiting"),
            "kv_cache_usage_perc": ("fraction of KV-cache blocks in use (1 = full)", "kv_usage"),
            "kv_cache_free_blocks": ("free KV-cache blocks", "num_free_blocks"),
-           "kv_cache_total_blocks": ("KV-cache blocks in the pool", "num_blocks")}
+           "kv_cache_total_blocks": ("KV-cache blocks in the pool", "num_blocks"),
+           "kv_transfers_held": ("prefill: prompt caches held for a decode engine", "kv_transfers_held")}
 _COUNTERS = {"num_preemptions": ("requests preempted by the scheduler", "num_preemptions"),
              "prefix_cache_queries": ("prompt tokens looked up in the prefix cache", "prefix_queries"),
              "prefix_cache_hits": ("prompt tokens found in the prefix cache", "prefix_hits"),
              # speculative decoding, named like vLLM's so benchmark tools read either engine
              "spec_decode_num_drafts": ("verification rounds with draft tokens", "spec_num_drafts"),
              "spec_decode_num_draft_tokens": ("draft tokens verified", "spec_num_draft_tokens"),
-             "spec_decode_num_accepted_tokens": ("draft tokens accepted", "spec_num_accepted_tokens")}
+             "spec_decode_num_accepted_tokens": ("draft tokens accepted", "spec_num_accepted_tokens"),
+             # prefill/decode disaggregation (docs/disaggregation.md)
+             "kv_transfers_sent": ("prefill: prompt caches handed to a decode engine", "kv_transfers_sent"),
+             "kv_transfers_released": ("prefill: holds released by the decode engine", "kv_transfers_released"),
+             "kv_transfer_leases_expired": ("prefill: holds freed by their lease", "kv_transfer_leases_expired"),
+             "kv_transfers_received": ("decode: prompt caches read from a prefill engine", "kv_transfers_received"),
+             "kv_transfers_failed": ("decode: transfers that failed or timed out", "kv_transfers_failed"),
+             "kv_transfer_bytes": ("decode: bytes read from prefill engines", "kv_transfer_bytes"),
+             "kv_transfer_seconds": ("decode: seconds from reservation to arrival, summed", "kv_transfer_seconds")}
 
 
 def _engine_series(engines) -> Iterator[Metric]:

@@ -113,6 +113,9 @@ class _SamplingFields(_Body):
     priority: BoundedInt = 0
     return_tokens_as_token_ids: bool = False  # vLLM: logprob tokens read "token_id:<id>"
     cache_salt: Annotated[str, Field(min_length=1)] | None = None  # vLLM: only requests with equal salts share prefixes
+    # Disaggregation (vLLM's field): {"do_remote_decode": true} to a prefill instance; the prefill answer's
+    # kv_transfer_params to a decode instance. Normally set by `deepinfer router --prefill ... --decode ...`.
+    kv_transfer_params: dict[str, Any] | None = None
     # Structured outputs: OpenAI's response_format, vLLM's structured_outputs and its older guided_* names.
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsField | None = None

@@ -246,7 +246,7 @@ class Generation:
     async def updates(self) -> AsyncIterator[Update]:
         client = self.job.serving.client
         stream = client.generate(self.request_id, self.prompt.token_ids, self.job.params, self.job.priority,
-                                 self.job.cache_salt)
+                                 self.job.cache_salt, self.job.kv_transfer)
         try:
             async for out in stream:  # closed in `finally`, which aborts the engine request if unfinished
                 update = self._apply(out)
@@ -263,6 +263,8 @@ class Generation:
         if out.error is not None:
             raise APIError(500, out.error, code="engine_dead" if self.job.serving.client.dead else None)
         self.prompt_logprobs.extend(out.prompt_logprobs or ())
+        if out.kv_transfer_params is not None:
+            self.job.kv_transfer_params = out.kv_transfer_params
         choice = self.choices[out.index]
         if choice.finished:
             return None  # a stop string ended it; outputs already in flight are dropped
@@ -322,6 +324,8 @@ class Job:
                  priority: int, stream: bool, tools: ToolSetup | None = None, cache_salt: str | None = None):
         self.serving, self.request_id, self.prompts = serving, request_id, prompts
         self.cache_salt = cache_salt  # every generation's prefix blocks are keyed by it
+        self.kv_transfer: dict | None = None  # disaggregation: the request's kv_transfer_params
+        self.kv_transfer_params: dict | None = None  # a prefill engine's answer for the decode engine
         self.tools = tools if tools is not None and tools.active else None  # parse outputs for tool calls
         self.params, self.priority, self.stream = params, priority, stream
         self.created = int(time.time())
@@ -575,6 +579,7 @@ class Serving:
         params = await self._structured_params(req, req.output_limit, prompt.thinking, tools)
         job = Job(self, f"chatcmpl-{uuid.uuid4().hex}", [prompt], params, req.priority, req.stream, tools,
                   cache_salt=self.cache_salt(req, request))
+        job.kv_transfer = req.kv_transfer_params
         return await self.respond(request, job, ChatShape(self, req))
 
     # --- completions -----------------------------------------------------------------------------
@@ -595,6 +600,9 @@ class Serving:
                                       structured=spec)
         job = Job(self, f"cmpl-{uuid.uuid4().hex}", prompts, params, req.priority, req.stream,
                   cache_salt=self.cache_salt(req, request))
+        if req.kv_transfer_params is not None and len(prompts) != 1:
+            raise bad_request("kv_transfer_params takes a single prompt", param="kv_transfer_params")
+        job.kv_transfer = req.kv_transfer_params
         return await self.respond(request, job, CompletionShape(self, req))
 
     async def _structured_params(self, req, max_tokens: int | None, thinking: bool,
@@ -669,7 +677,10 @@ class _Shape:
 
     def response(self, job: Job) -> dict[str, Any]:
         choices = [self.final_choice(job, c) for c in job.choices]
-        return {**self._envelope(job, self.object_name), "choices": choices, "usage": job.usage()}
+        body = {**self._envelope(job, self.object_name), "choices": choices, "usage": job.usage()}
+        if job.kv_transfer_params is not None:
+            body["kv_transfer_params"] = job.kv_transfer_params
+        return body
 
     def chunk(self, job: Job, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return {**self._envelope(job, self.chunk_name), "choices": choices}
