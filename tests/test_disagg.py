@@ -12,7 +12,9 @@ from tiny_models import make_reference, save_reference
 
 from deepinfer.config import EngineArgs
 from deepinfer.disagg import plan as plan_mod
+from deepinfer.disagg.dlslime import load_dlslime
 from deepinfer.disagg.layout import LayoutMismatch, check_compatible, describe
+from deepinfer.disagg.mooncake import load_engine
 from deepinfer.disagg.plan import Side, Span, merged, plan_reads
 from deepinfer.disagg.transport import LocalTransport
 from deepinfer.engine.core import EngineCore
@@ -22,18 +24,18 @@ from deepinfer.request import RequestStatus
 from deepinfer.sampling_params import SamplingParams
 
 
-def _mooncake_missing() -> str | None:
-    """Why Mooncake cannot load here (the wheel or Debian's libibverbs1 missing), or None."""
-    from deepinfer.disagg.mooncake import load_engine
-
+def _missing(load) -> str | None:
+    """Why a transport cannot load here (its wheel or Debian's libibverbs1 missing), or None."""
     try:
-        load_engine()
+        load()
     except ImportError as e:
         return str(e)
     return None
 
 
-MOONCAKE_MISSING = _mooncake_missing()  # its tests skip with this reason; the local transport's still run
+# Their tests skip with these reasons; the local transport's still run.
+MISSING = {"local": None, "mooncake": _missing(load_engine), "dlslime": _missing(load_dlslime)}
+MOONCAKE_MISSING = MISSING["mooncake"]
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
 COMMON = dict(max_num_seqs=8, kv_cache_memory_bytes=48 << 20, load_progress=False, dtype="float32",
@@ -178,15 +180,17 @@ def _cells(*cells):
     out = []
     for kind, backend, slow in cells:
         marks = [pytest.mark.slow] if slow else []
-        if backend == "mooncake" and MOONCAKE_MISSING:
-            marks.append(pytest.mark.skip(reason=MOONCAKE_MISSING))
+        if MISSING[backend]:
+            marks.append(pytest.mark.skip(reason=MISSING[backend]))
         out.append(pytest.param(kind, backend, marks=marks, id=f"{kind}-{backend}"))
     return out
 
 
 @pytest.mark.parametrize("kind, backend", _cells(("bundled", "local", False), ("bundled", "mooncake", False),
-                                                 ("v4", "local", False), ("v3", "mooncake", False),
-                                                 ("v4", "mooncake", True), ("v3", "local", True)))
+                                                 ("bundled", "dlslime", False), ("v4", "local", False),
+                                                 ("v3", "mooncake", False), ("v4", "mooncake", True),
+                                                 ("v4", "dlslime", True), ("v3", "local", True),
+                                                 ("v3", "dlslime", True)))
 def test_greedy_tokens_equal_a_colocated_engine(ckpts, kind, backend):
     path = ckpts(kind)
     prefill, decode = _engines(path, kind, backend)
@@ -199,13 +203,15 @@ def test_greedy_tokens_equal_a_colocated_engine(ckpts, kind, backend):
     _close(*prefill, *decode)
 
 
-def test_two_prefill_and_two_decode_engines_with_kv_quantisation(ckpts):
+@pytest.mark.parametrize("kind, backend", _cells(("bundled", "mooncake", False), ("bundled", "local", True),
+                                                 ("bundled", "dlslime", True)))
+def test_two_prefill_and_two_decode_engines_with_kv_quantisation(ckpts, kind, backend):
     """2P2D, fp8 paged KV on every engine: the same tokens as a colocated fp8 engine."""
-    path = ckpts("bundled")
-    prefill, decode = _engines(path, "bundled", "local", 2, 2, kv_cache_dtype="fp8")
-    prompts = _prompts("bundled", prefill[0].model_config.vocab_size, seed=3)
+    path = ckpts(kind)
+    prefill, decode = _engines(path, kind, backend, 2, 2, kv_cache_dtype="fp8")
+    prompts = _prompts(kind, prefill[0].model_config.vocab_size, seed=3)
     got = disaggregated(prefill, decode, prompts)
-    assert [r.output_token_ids for r in got] == colocated(path, "bundled", prompts, kv_cache_dtype="fp8")
+    assert [r.output_token_ids for r in got] == colocated(path, kind, prompts, kv_cache_dtype="fp8")
     assert all(c.connector.stats.received == len(prompts) // 2 + (i == 0) * (len(prompts) % 2)
                for i, c in enumerate(decode))
     assert_idle(*prefill, *decode)
