@@ -173,6 +173,7 @@ def test_plot_refuses_mixed_sweeps(tmp_path):
         plot_sweeps([a, dict(a, varied="request_rate")], tmp_path / "x.png")
 
 
+@pytest.mark.slow  # acceptance counting is unit-tested in test_bench_serve.py
 def test_bench_serve_reports_speculative_acceptance(tmp_path, capsys):
     """Against a server that speculates (ngram), the run's accepted length comes from its /metrics."""
     spec = '{"method": "ngram", "num_speculative_tokens": 3}'

@@ -203,7 +203,7 @@ def test_greedy_tokens_equal_a_colocated_engine(ckpts, kind, backend):
     _close(*prefill, *decode)
 
 
-@pytest.mark.parametrize("kind, backend", _cells(("bundled", "mooncake", False), ("bundled", "local", True),
+@pytest.mark.parametrize("kind, backend", _cells(("bundled", "local", False), ("bundled", "mooncake", True),
                                                  ("bundled", "dlslime", True)))
 def test_two_prefill_and_two_decode_engines_with_kv_quantisation(ckpts, kind, backend):
     """2P2D, fp8 paged KV on every engine: the same tokens as a colocated fp8 engine."""
@@ -376,7 +376,6 @@ def test_a_different_prompt_is_refused(ckpts):
     ("none", {"do_remote_decode": True}, "disaggregation mode is 'none'"),
     ("decode", {"do_remote_decode": True}, "for a prefill engine"),
     ("decode", {"remote_bootstrap": "127.0.0.1:1"}, "no transfer_id"),
-    ("prefill", {"foo": 1}, "needs do_remote_decode"),
 ])
 def test_bad_transfer_params_are_rejected_up_front(ckpts, mode, kv, message):
     core = EngineCore(ckpts("bundled"), EngineArgs(**COMMON, disaggregation_mode=mode,
@@ -388,4 +387,32 @@ def test_bad_transfer_params_are_rejected_up_front(ckpts, mode, kv, message):
         with pytest.raises(ValueError, match="n=1"):
             core.add_request("y", [5, 6, 7], replace(GREEDY, n=2), kv_transfer=valid[mode])
     assert not core.scheduler.requests
+    core.shutdown()
+
+
+def test_a_preempted_decode_request_recomputes_its_cache_locally(ckpts):
+    """A decode engine short of blocks preempts requests whose cache arrived; they recompute here (their hold
+    on the prefill engine is gone) and still give a colocated engine's tokens."""
+    path = ckpts("bundled")
+    prefill, _ = _engines(path, "bundled", "local")
+    small = dict(kv_cache_memory_bytes=8 * 65536 + 16 * 3328, max_num_seqs=8)
+    decode = [EngineCore(path, EngineArgs(**{**COMMON, **small}, disaggregation_mode="decode",
+                                          disaggregation_transfer_backend="local"))]
+    rng = random.Random(9)
+    prompts = [[rng.randrange(3, 1000) for _ in range(40)] for _ in range(4)]
+    params = replace(GREEDY, max_tokens=60)
+    got = disaggregated(prefill, decode, prompts, params)
+    assert decode[0].scheduler.num_preemptions > 0
+    assert [r.output_token_ids for r in got] == colocated(path, "bundled", prompts, params)
+    assert_idle(*prefill, *decode)
+    _close(*prefill, *decode)
+
+
+def test_params_without_a_role_are_a_colocated_request(ckpts):
+    """vLLM clients may send {"do_remote_decode": false}: served colocated, on any engine."""
+    core = EngineCore(ckpts("bundled"), EngineArgs(**COMMON))
+    req = core.add_request("x", [5, 6, 7], GREEDY, kv_transfer={"do_remote_decode": False})[0]
+    while core.has_unfinished:
+        core.step()
+    assert req.status == RequestStatus.FINISHED_LENGTH and req.kv_transfer is None
     core.shutdown()

@@ -167,7 +167,7 @@ def worker(rank: int, world: int, port: int, out_dir: str):
                       lambda: {"moves": run_moves(rank, world), "dispatch": run_replicated_dispatch(rank, world)})
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_moves_and_replicated_dispatch(world, tmp_path):
     results = spawn_group(world, None, tmp_path, worker, JOIN_TIMEOUT_S)
     for rank in range(world):

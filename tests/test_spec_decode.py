@@ -252,7 +252,7 @@ def _tiny_batch(vocab: int = 512):
 
 
 @pytest.mark.parametrize("kind, method", [(k, m) for k in ("v4", "v3") for m in ("oracle", "ngram", "mtp")]
-                         + [("v4-snapshot", "mtp")])
+                         + [pytest.param("v4-snapshot", "mtp", marks=pytest.mark.slow)])
 def test_tiny_greedy_is_identical_with_speculation(kind, method, v4_ckpt, v3_ckpt):
     """Prefix hits restore V4 bounded state by replay, or (v4-snapshot) from boundary snapshots."""
     path = v3_ckpt if kind == "v3" else v4_ckpt

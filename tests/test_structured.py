@@ -356,7 +356,8 @@ def test_cli_generate_with_a_schema_file_and_a_bad_regex(tmp_path, capsys):
     assert "parenthesis" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("mode", [{"async_scheduling": True}, {"deterministic": True}])
+@pytest.mark.parametrize("mode", [{"async_scheduling": True},
+                                  pytest.param({"deterministic": True}, marks=pytest.mark.slow)])
 def test_async_and_deterministic_modes_constrain_too(llm, mode):
     """Async scheduling resolves a step's masks after the previous step's tokens reach the matchers: its
     greedy outputs equal synchronous scheduling's. Deterministic mode samples row by row, each with its mask."""

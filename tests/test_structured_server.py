@@ -69,7 +69,8 @@ def _check_calls(calls: list, allowed: set[str]) -> None:
         jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
 
 
-@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "add"}}])
+@pytest.mark.parametrize("choice", ["required", pytest.param({"type": "function", "function": {"name": "add"}},
+                                                              marks=pytest.mark.slow)])
 def test_forced_tool_calls_validate(client, choice):
     """One call (parallel_tool_calls=False): always a valid call and finish_reason tool_calls."""
     allowed = {"add"} if isinstance(choice, dict) else set(SCHEMAS)
@@ -111,7 +112,8 @@ def _collect_stream(stream) -> tuple[str, list, str | None]:
     return content, merged, finish
 
 
-@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
+@pytest.mark.parametrize("choice", [pytest.param("required", marks=pytest.mark.slow),
+                                    {"type": "function", "function": {"name": "get_weather"}}])
 def test_forced_tool_calls_validate_streaming(client, choice):
     allowed = {"get_weather"} if isinstance(choice, dict) else set(SCHEMAS)
     for i, question in enumerate(QUESTIONS):

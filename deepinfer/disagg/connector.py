@@ -139,8 +139,9 @@ class PrefillConnector(_Connector):
             return {"layout": self.layout, "endpoint": self.transport.endpoint(), "engine_id": self.engine_id}
         with self._lock:
             hold = self._held.get(msg.get("transfer_id", ""))
-            if hold is not None and op == "describe":  # the read starts: keep the blocks for its duration
-                hold.deadline = max(hold.deadline, time.monotonic() + self.timeout_s + 1)
+            if hold is not None and op == "describe":  # the read starts: keep the blocks for its whole bound
+                bound = max(self.timeout_s, float(msg.get("timeout_s", 0)))
+                hold.deadline = max(hold.deadline, time.monotonic() + bound + 1)
         if op == "describe":
             if hold is None:
                 return {"error": "unknown transfer id: it expired, was released, or was never on this engine"}
@@ -153,6 +154,18 @@ class PrefillConnector(_Connector):
     def close(self) -> None:
         self.server.close()
         super().close()
+
+
+@dataclass
+class _Read:
+    """One transfer on the worker pool. Its time bound runs from when a worker picks it up (`begun`); a read
+    still queued after twice the bound is cancelled."""
+
+    future: Future | None = None
+    submitted: float = field(default_factory=time.monotonic)
+    begun: float | None = None
+    finished: float | None = None
+    reported: bool = False  # its outcome was reported (it may still be running: "ended" comes later)
 
 
 @dataclass(frozen=True)
@@ -170,7 +183,7 @@ class DecodeConnector(_Connector):
         super().__init__(core)
         self._pool = ThreadPoolExecutor(4, thread_name_prefix="deepinfer-kv-read")
         self._peers: dict[str, tuple[dict, dict]] = {}  # bootstrap -> (layout, endpoint), checked
-        self._active: dict[str, tuple[Future, float, list[bool]]] = {}  # id -> (read, started, [reported])
+        self._active: dict[str, _Read] = {}
         self._done = threading.Event()
         logger.info("disaggregation: decode engine, %s transport", self.transport.name)
 
@@ -179,65 +192,83 @@ class DecodeConnector(_Connector):
         return len(self._active)
 
     def start(self, load: KVLoad) -> None:
-        future = self._pool.submit(self._receive, load)
-        future.add_done_callback(lambda _: self._done.set())
-        self._active[load.request_id] = (future, time.monotonic(), [False])
+        read = self._active[load.request_id] = _Read()
+        read.future = self._pool.submit(self._receive, load, read)
+        read.future.add_done_callback(lambda _: self._done.set())
 
     def wait(self, timeout_s: float) -> None:
         self._done.wait(timeout_s)
         self._done.clear()
 
     def poll(self) -> list[LoadEvent]:
-        events, now = [], time.monotonic()
-        for rid, (future, started, reported) in list(self._active.items()):
-            if future.done():
-                if not reported[0]:
-                    events.append(self._outcome(rid, future, now - started))
+        events = []
+        for rid, read in list(self._active.items()):
+            if read.future.done():
+                if not read.reported:
+                    events.append(self._outcome(rid, read))
                 events.append(LoadEvent(rid, "ended"))
                 del self._active[rid]
-            elif not reported[0] and now - started > self.timeout_s:
-                reported[0] = True
+            elif not read.reported and (error := self._overdue(read)) is not None:
+                read.reported = True
                 self.stats.failed += 1
-                events.append(LoadEvent(rid, "failed", error=f"the KV transfer did not finish within "
-                                        f"{self.timeout_s} s (prefill engine hung or unreachable)"))
+                events.append(LoadEvent(rid, "failed", error=error))
         return events
 
-    def _outcome(self, rid: str, future: Future, seconds: float) -> LoadEvent:
-        error = future.exception()
+    def _overdue(self, read: _Read) -> str | None:
+        now = time.monotonic()
+        if read.begun is not None and now - read.begun > self.timeout_s:
+            return f"the KV transfer did not finish within {self.timeout_s} s (prefill engine hung or unreachable)"
+        if read.begun is None and now - read.submitted > 2 * self.timeout_s and read.future.cancel():
+            return f"the KV transfer waited {2 * self.timeout_s} s for a transfer worker (all busy)"
+        return None
+
+    def _outcome(self, rid: str, read: _Read) -> LoadEvent:
+        error = "cancelled" if read.future.cancelled() else read.future.exception()
+        if error is None and read.finished - read.begun > self.timeout_s:
+            error = "it finished after its time bound, when the prefill engine may have freed the blocks"
         if error is not None:
             self.stats.failed += 1
             return LoadEvent(rid, "failed", error=f"KV transfer failed: {error}")
-        record, nbytes = future.result()
+        record, nbytes = read.future.result()
         self.stats.received += 1
         self.stats.bytes += nbytes
-        self.stats.seconds += seconds
-        self.stats.per_request = [*self.stats.per_request[-1023:], (nbytes, seconds)]
+        self.stats.seconds += read.finished - read.submitted
+        self.stats.per_request = [*self.stats.per_request[-1023:], (nbytes, read.finished - read.submitted)]
         return LoadEvent(rid, "arrived", record=record)
 
-    def _receive(self, load: KVLoad) -> tuple[dict, int]:
+    def _receive(self, load: KVLoad, read: _Read) -> tuple[dict, int]:
         """Worker thread: handshake, record, read, release. The prefill side is told to release even when the
         read fails, so its blocks do not wait for the lease."""
+        read.begun = time.monotonic()
         address, transfer_id = load.params["remote_bootstrap"], load.params["transfer_id"]
         try:
-            layout, endpoint = self._peer(address)
-            record = control.call(address, {"op": "describe", "transfer_id": transfer_id}, self.timeout_s)
+            layout, endpoint = self._peer(address, load.params.get("engine_id"))
+            record = control.call(address, {"op": "describe", "transfer_id": transfer_id,
+                                            "timeout_s": self.timeout_s}, self.timeout_s)
             _check_record(record, load)
             spans = plan_reads(self.layout, layout, load.num_tokens, Side(load.blocks, load.slot),
                                Side(record["blocks"], record["slot"]), load.skip_blocks)
             self.transport.read(endpoint, spans, self.timeout_s)
         finally:
+            read.finished = time.monotonic()
             _release(address, transfer_id, min(self.timeout_s, RELEASE_TIMEOUT_S))
         return record, total_bytes(spans)
 
-    def _peer(self, address: str) -> tuple[dict, dict]:
-        if address not in self._peers:
+    def _peer(self, address: str, engine_id: str | None) -> tuple[dict, dict]:
+        """The prefill engine's (layout, endpoint), checked once per engine instance (a restarted engine on the
+        same address has a new id, endpoint and maybe layout)."""
+        key = (address, engine_id)
+        if key not in self._peers:
             answer = control.call(address, {"op": "handshake"}, self.timeout_s)
+            if engine_id is not None and answer.get("engine_id") != engine_id:
+                raise ValueError(f"the prefill engine at {address} restarted since it computed this prompt "
+                                 f"(engine {answer.get('engine_id')}, not {engine_id})")
             check_compatible(self.layout, answer["layout"])
             if answer["endpoint"]["backend"] != self.transport.name:
                 raise ValueError(f"the prefill engine at {address} uses the {answer['endpoint']['backend']} "
                                  f"transport, this engine {self.transport.name}")
-            self._peers[address] = (answer["layout"], answer["endpoint"])
-        return self._peers[address]
+            self._peers[key] = (answer["layout"], answer["endpoint"])
+        return self._peers[key]
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

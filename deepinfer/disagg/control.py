@@ -38,8 +38,9 @@ class BootstrapServer:
         while not self._stop.is_set():
             if not self._sock.poll(100):
                 continue
-            ident, payload = self._sock.recv_multipart()
-            self._sock.send_multipart([ident, msgspec.msgpack.encode(self._answer(payload))])
+            frames = self._sock.recv_multipart()
+            if len(frames) == 2:  # anything else is not ours: dropped, the service keeps running
+                self._sock.send_multipart([frames[0], msgspec.msgpack.encode(self._answer(frames[1]))])
 
     def _answer(self, payload: bytes) -> dict:
         try:

@@ -92,8 +92,9 @@ class LocalTransport(KVTransport):
         while not self._stop.is_set():
             if not self._sock.poll(100):
                 continue
-            ident, payload = self._sock.recv_multipart()
-            self._sock.send_multipart([ident, *self._answer(payload)])
+            frames = self._sock.recv_multipart()
+            if len(frames) == 2:  # anything else is not ours: dropped, the server keeps running
+                self._sock.send_multipart([frames[0], *self._answer(frames[1])])
 
     def _answer(self, payload: bytes) -> list[bytes]:
         if self.faults["delay_s"]:
@@ -102,7 +103,7 @@ class LocalTransport(KVTransport):
             return [b"injected transfer failure"]
         try:
             ranges = msgspec.msgpack.decode(payload)
-            return [b""] + [self._bytes[name][off:off + n].numpy().tobytes() for name, off, n in ranges]
+            return [b""] + [self._bytes[name][off:off + n].cpu().numpy().tobytes() for name, off, n in ranges]
         except Exception as e:  # a bad request answers an error, never kills the server
             return [f"{type(e).__name__}: {e}".encode()]
 
@@ -121,7 +122,7 @@ class LocalTransport(KVTransport):
             raise TransferError(f"the prefill engine refused the read: {status.decode()}")
         for s, data in zip(spans, frames, strict=True):
             target = self._bytes[s.name][s.local_offset:s.local_offset + s.nbytes]
-            target.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+            target.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8).to(target.device))
 
     def close(self) -> None:
         self._stop.set()

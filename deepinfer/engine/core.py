@@ -149,9 +149,9 @@ class EngineCore:
         # last, whose tokens the next step() call folds in.
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="deepinfer-forward") if args.async_scheduling else None
         self.in_flight: tuple[SchedulerOutput, Future] | None = None
+        self.connector = build_connector(self)  # disaggregation (disagg/connector.py); None when colocated
         if self.speculative is not None and self.speculative.verify_policy == "adaptive":
             calibrate_speculation(self)
-        self.connector = build_connector(self)  # disaggregation (disagg/connector.py); None when colocated
 
     @property
     def executor(self):
@@ -177,10 +177,12 @@ class EngineCore:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"request {request_id}: sampling params must be SamplingParams, got {type(params)}")
         max_out = self.validate_request(request_id, prompt_token_ids, params)
+        if kv_transfer and not (kv_transfer.get("do_remote_decode") or kv_transfer.get("remote_bootstrap")):
+            kv_transfer = None  # e.g. vLLM's {"do_remote_decode": false}: a colocated request
         if kv_transfer:
             max_out = self._validate_transfer(request_id, kv_transfer, params, max_out)
         ids = [request_id] if params.n == 1 else [f"{request_id}-{i}" for i in range(params.n)]
-        if any(i in self.scheduler.requests for i in ids):
+        if any(i in self.scheduler.requests or i in self.scheduler.loading for i in ids):
             raise ValueError(f"request id {request_id!r} is already in use")
         requests = []
         for i, rid in enumerate(ids):
@@ -221,11 +223,7 @@ class EngineCore:
         """The output cap of a disaggregated request (a prefill engine samples only the first token), or
         ValueError when this engine's role cannot serve it."""
         mode = self.args.disaggregation_mode
-        wants = "prefill" if kv_transfer.get("do_remote_decode") else "decode" if kv_transfer.get(
-            "remote_bootstrap") else None
-        if wants is None:
-            raise ValueError(f"request {request_id}: kv_transfer_params needs do_remote_decode (prefill engine) or "
-                             "remote_bootstrap and transfer_id (decode engine)")
+        wants = "prefill" if kv_transfer.get("do_remote_decode") else "decode"
         if wants != mode:
             raise ValueError(f"request {request_id}: kv_transfer_params are for a {wants} engine; this engine's "
                              f"disaggregation mode is {mode!r}")
@@ -312,7 +310,7 @@ class EngineCore:
             return []
         touched, logprobs = [], {}
         for event in self.connector.poll():
-            req = self._apply_load(event)
+            req = self._apply_load_safely(event)
             if req is not None:
                 touched.append(req)
                 if event.record and event.record.get("logprobs") is not None:
@@ -320,6 +318,16 @@ class EngineCore:
         if touched:
             self.last_scheduled, self.last_result = SchedulerOutput(), RunnerOutput(logprobs=logprobs)
         return touched
+
+    def _apply_load_safely(self, event) -> Request | None:
+        """A malformed record fails only its own request."""
+        try:
+            return self._apply_load(event)
+        except Exception as e:
+            logger.exception("applying the KV transfer of %s failed", event.request_id)
+            if event.request_id not in self.scheduler.receiving:
+                return None
+            return self.scheduler.remote_failed(event.request_id, f"KV transfer failed: {type(e).__name__}: {e}")
 
     def _apply_load(self, event) -> Request | None:
         if event.kind == "ended":

@@ -281,6 +281,7 @@ class Scheduler:
         if req is None:
             return None  # aborted meanwhile
         req.num_computed_tokens = req.num_tokens
+        req.kv_transfer = None  # consumed: a preempted request recomputes its cache here
         req.status = RequestStatus.RUNNING
         self.running.append(req)
         self._append(req, [first_token], 0)
