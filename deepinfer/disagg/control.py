@@ -35,12 +35,7 @@ class BootstrapServer:
         self._thread.start()
 
     def _serve(self) -> None:
-        while not self._stop.is_set():
-            if not self._sock.poll(100):
-                continue
-            frames = self._sock.recv_multipart()
-            if len(frames) == 2:  # anything else is not ours: dropped, the service keeps running
-                self._sock.send_multipart([frames[0], msgspec.msgpack.encode(self._answer(frames[1]))])
+        serve_requests(self._sock, self._stop, lambda payload: [msgspec.msgpack.encode(self._answer(payload))])
 
     def _answer(self, payload: bytes) -> dict:
         try:
@@ -53,6 +48,17 @@ class BootstrapServer:
         self._stop.set()
         self._thread.join(timeout=1)
         self._sock.close()
+
+
+def serve_requests(sock: zmq.Socket, stop: threading.Event, answer: Callable[[bytes], list[bytes]]) -> None:
+    """A ROUTER socket's loop until `stop`: each [identity, payload] request gets [identity, *answer(payload)];
+    any other message is not ours and is dropped, so a stray peer cannot stop the service."""
+    while not stop.is_set():
+        if not sock.poll(100):
+            continue
+        frames = sock.recv_multipart()
+        if len(frames) == 2:
+            sock.send_multipart([frames[0], *answer(frames[1])])
 
 
 def call(address: str, message: dict, timeout_s: float) -> dict:

@@ -89,12 +89,9 @@ class LocalTransport(KVTransport):
         return {"backend": self.name, "address": self._address}
 
     def _serve(self) -> None:
-        while not self._stop.is_set():
-            if not self._sock.poll(100):
-                continue
-            frames = self._sock.recv_multipart()
-            if len(frames) == 2:  # anything else is not ours: dropped, the server keeps running
-                self._sock.send_multipart([frames[0], *self._answer(frames[1])])
+        from deepinfer.disagg.control import serve_requests
+
+        serve_requests(self._sock, self._stop, self._answer)
 
     def _answer(self, payload: bytes) -> list[bytes]:
         if self.faults["delay_s"]:
