@@ -70,6 +70,7 @@ def test_cache_aware_keeps_the_hit_rate_and_the_tokens(ckpt, single):
     assert rate >= 0.9 * single[1] > 0
 
 
+@pytest.mark.slow  # test_cache_aware_keeps_the_hit_rate_and_the_tokens runs by default
 def test_round_robin_splits_tenants_and_loses_hits(ckpt, single):
     tokens, rate = asyncio.run(_run(ckpt, 2, "round_robin"))
     assert tokens == single[0]

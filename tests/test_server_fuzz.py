@@ -151,6 +151,7 @@ def test_fuzzed_completions_never_fail_the_server(http, body):
     _post(http, "/v1/completions", body)
 
 
+@pytest.mark.slow  # the completions fuzz runs by default
 @_FUZZ
 @given(body=_CHAT_BODIES)
 def test_fuzzed_chat_never_fails_the_server(http, body):

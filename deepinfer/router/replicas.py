@@ -98,8 +98,8 @@ class ReplicatedEngineClient:
             replica, cost = self._route(request_id, prompt_token_ids, params, cache_salt)
             client, produced = self.clients[replica], False
             try:
-                stream = client.generate(request_id, prompt_token_ids, params, priority, cache_salt, kv_transfer)
-                async for out in stream:
+                async for out in client.generate(request_id, prompt_token_ids, params, priority, cache_salt,
+                                                 kv_transfer):
                     if out.finish_reason == "error" and client.dead:
                         if not produced and attempt == 0:
                             break  # lost before anything reached the caller: route again
