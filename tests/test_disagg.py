@@ -327,7 +327,8 @@ def test_a_prefill_engine_that_dies_mid_transfer_frees_the_reservation(ckpts, fa
     sent = _prefilled(prefill, list(range(3, 60)))
     faults["delay_s"] = 5.0  # the read hangs, then the engine is gone
     reason, seconds = _failed_on_decode(decode, sent)
-    assert "did not finish within 1.0 s" in reason and seconds < 3
+    # the engine's bound or the transport's own read timeout, whichever notices first
+    assert "within 1.0 s" in reason and seconds < 3
     prefill.shutdown()
     assert_idle(decode)
     decode.shutdown()
