@@ -80,9 +80,10 @@ class DPEngineCore:
 
     # --- requests ------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    priority: int = 0, cache_salt: str | None = None) -> list[Request]:
+                    priority: int = 0, cache_salt: str | None = None, kv_transfer: dict | None = None) -> list[Request]:
         d = pick_replica([replica_load(c) for c in self.replicas])
-        requests = self.replicas[d].add_request(request_id, prompt_token_ids, params, priority, cache_salt)
+        requests = self.replicas[d].add_request(request_id, prompt_token_ids, params, priority, cache_salt,
+                                                kv_transfer)
         for req in requests:
             self.owner[req.request_id] = d
         return requests

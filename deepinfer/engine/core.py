@@ -188,7 +188,7 @@ class EngineCore:
         for i, rid in enumerate(ids):
             req = Request(rid, list(prompt_token_ids), params, max_out, priority=priority,
                           eos_token_ids=self.model_config.eos_token_ids, sample_index=i,
-                          fork_of=requests[0] if i else None, cache_salt=cache_salt, kv_transfer=kv_transfer or None)
+                          fork_of=requests[0] if i else None, cache_salt=cache_salt, kv_transfer=kv_transfer)
             if params.structured_outputs is not None:  # each sample advances its own matcher
                 req.grammar = self.structured.request_state(params.structured_outputs)
             requests.append(req)

@@ -97,9 +97,8 @@ class EngineLoop:
             if msg.request_id in self.groups:
                 raise ValueError(f"request id {msg.request_id!r} is already in use")
             params = SamplingParams(**msg.params)
-            transfer = {"kv_transfer": msg.kv_transfer} if msg.kv_transfer else {}  # DP cores take none
             requests = self.core.add_request(msg.request_id, list(msg.prompt_token_ids), params, msg.priority,
-                                             cache_salt=msg.cache_salt, **transfer)
+                                             cache_salt=msg.cache_salt, kv_transfer=msg.kv_transfer)
         except ValueError as e:
             return RequestError(msg.request_id, str(e), 400)
         except Exception as e:  # a bug, not bad input: report it and keep serving

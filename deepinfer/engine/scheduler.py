@@ -259,10 +259,7 @@ class Scheduler:
     def _reserve(self, req: Request, out: SchedulerOutput) -> bool:
         """Decode engine: blocks for the prompt (a local prefix hit is shared, not read) and a state slot, then
         the request waits for its cache; it computes nothing until it arrives."""
-        prefix = []
-        if self._caches(req):
-            req.block_hashes = chain_hashes(req.prompt_token_ids, self.kv.block_size, req.cache_salt, req.block_hashes)
-            prefix = self.kv.cached_prefix(req.block_hashes, req.num_tokens - 1)
+        prefix = self._cached_prefix(req)[0]  # no replay: the bounded state comes with the cache
         if not self._allocate(req, req.num_tokens, prefix):
             return False
         if self._caches(req):
