@@ -19,6 +19,7 @@ tensors.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
@@ -35,6 +36,7 @@ from deepinfer.distributed.tp import (
     vocab_range,
     vocab_shard,
 )
+from deepinfer.kernels import triton_enabled
 from deepinfer.layers.attention import sink_attention
 from deepinfer.layers.batch_invariant import batch_invariant_enabled
 from deepinfer.layers.kv_quant import PagedPool, is_quantised, storage_dtype
@@ -58,6 +60,20 @@ class StepContext:
         self.lookahead = model.num_lookahead_tokens
         self.window: WindowPlan = window_plan(meta, model.config.sliding_window, self.lookahead)
         self._compress: dict[tuple[int, bool], CompressPlan] = {}
+        # the Triton path (CUDA): keys read in the kernel through these per-token indices, never gathered
+        self.use_kernels = triton_enabled(meta.input_ids) and not batch_invariant_enabled()
+
+    def window_source(self, ring: torch.Tensor, kv: torch.Tensor):
+        """This step's window keys as the sparse-attention kernel reads them (ring before the step's write)."""
+        from deepinfer.kernels.sparse_attention import WindowSource
+
+        meta, req = self.meta, self.meta.token_req
+        per_req = self.meta.cached("v4_window_rows", lambda: (
+            torch.tensor(meta.seq_starts, device=meta.device)[req],
+            torch.tensor(meta.query_start[:-1], device=meta.device)[req], meta.state_slots[req]))
+        start, qstart, slot = per_req
+        return WindowSource(ring, self.window.source.ring_len, self.cfg.sliding_window, kv, slot, start, qstart,
+                            meta.positions)
 
     def compress(self, ratio: int, overlap: bool) -> CompressPlan:
         key = (ratio, overlap)
@@ -242,13 +258,45 @@ class Attention(nn.Module):
         q = self.wq_b(qr).view(-1, self.n_heads, self.head_dim)
         q = rotate_tail(rms_normalize(q, self.eps).to(q.dtype), cos, sin)
         kv = rotate_tail(self.kv_norm(self.wkv(x)), cos, sin)
+        out = self._kernel_attention(x, qr, q, kv, ctx) if ctx.use_kernels else self._attention(x, qr, q, kv, ctx)
+        out = rotate_tail(out, cos, -sin)  # undo the rope the values carried
+        return _tp_sum(self.wo_b(self._grouped_wo_a(out)), self.mp)
+
+    def _attention(self, x, qr, q, kv, ctx: StepContext) -> torch.Tensor:
+        """The torch path: window and compressed keys gathered to [T, K, d], then attended."""
         keys, valid = self._window_keys(kv, ctx.window)
         if self.kind != SLIDING:
             extra, extra_valid = self._compressed_keys(x, qr, ctx)
             keys, valid = torch.cat([keys, extra], 1), torch.cat([valid, extra_valid], 1)
-        out = sink_attention(q, keys, valid, self.attn_sink, self.head_dim**-0.5)
-        out = rotate_tail(out, cos, -sin)  # undo the rope the values carried
-        return _tp_sum(self.wo_b(self._grouped_wo_a(out)), self.mp)
+        return sink_attention(q, keys, valid, self.attn_sink, self.head_dim**-0.5)
+
+    def _kernel_attention(self, x, qr, q, kv, ctx: StepContext) -> torch.Tensor:
+        """The Triton path: the kernel reads the ring, the new rows and the pools itself."""
+        from deepinfer.kernels.sparse_attention import sparse_attention
+
+        ring = self.cache["window"].view(-1, self.head_dim)
+        window = ctx.window_source(ring, kv)
+        entries = self._entry_source(x, qr, ctx) if self.kind != SLIDING else None
+        out = sparse_attention(q, window, entries, self.attn_sink, self.head_dim**-0.5)
+        ctx.window.source.write(ring, kv)
+        return out
+
+    def _entry_source(self, x: torch.Tensor, qr: torch.Tensor, ctx: StepContext):
+        """Writes this step's compressed entries, then names the ones each token attends (CSA: the indexer's
+        top-k, -1 for none; HCA: all visible)."""
+        from deepinfer.kernels.sparse_attention import EntrySource
+
+        pool = PagedPool.of(self.cache, "compressor.entries", self.head_dim, x.dtype)
+        self.compressor(x, ctx, self.cache["compressor.ring"], pool)
+        meta, per_block = ctx.meta, ctx.meta.block_size // self.ratio
+        source = EntrySource(pool.data, pool.scale, meta.block_table, meta.token_req, per_block)
+        if self.kind != CSA:
+            return replace(source, visible=(meta.positions + 1) // self.ratio)
+        plan = ctx.compress(self.ratio, True)
+        idx_pool = PagedPool.of(self.cache, "indexer.entries", self.indexer.head_dim, x.dtype)
+        self.indexer.compressor(x, ctx, self.cache["indexer.ring"], idx_pool)
+        chosen, valid = self.indexer.select(x, qr, ctx, idx_pool, plan)
+        return replace(source, entry_ids=torch.where(valid, chosen, -1))
 
     def _window_keys(self, kv: torch.Tensor, plan: WindowPlan) -> tuple[torch.Tensor, torch.Tensor]:
         ring = self.cache["window"].view(-1, self.head_dim)
