@@ -5,6 +5,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from deepinfer.kernels import triton_enabled
+from deepinfer.layers.batch_invariant import batch_invariant_enabled
+
 # Padded batched GEMM is used while padding costs at most this factor in FLOPs.
 MAX_PADDING_WASTE = 2.0
 
@@ -20,7 +23,12 @@ def swiglu(gate_up: torch.Tensor, limit: float) -> torch.Tensor:
 
 def routed_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                    w13: torch.Tensor, w2: torch.Tensor, limit: float = 0.0) -> torch.Tensor:
-    """sum_k weight_k * expert_{id_k}(x) for x [T, D], ids/weights [T, K], w13 [E, 2I, D], w2 [E, D, I]."""
+    """sum_k weight_k * expert_{id_k}(x) for x [T, D], ids/weights [T, K], w13 [E, 2I, D], w2 [E, D, I].
+    On CUDA the fused Triton kernels (kernels/fused_moe.py) compute it without a host sync."""
+    if triton_enabled(x) and not batch_invariant_enabled():
+        from deepinfer.kernels.fused_moe import fused_moe
+
+        return fused_moe(x, topk_ids, topk_weights, w13, w2, limit)
     num_experts, k = w13.shape[0], topk_ids.shape[1]
     flat_ids = topk_ids.reshape(-1)
     order = torch.argsort(flat_ids, stable=True)

@@ -43,6 +43,7 @@ from deepinfer.distributed.tp import (
     vocab_range,
     vocab_shard,
 )
+from deepinfer.kernels import triton_enabled
 from deepinfer.layers.batch_invariant import batch_invariant_enabled
 from deepinfer.layers.kv_quant import PagedPool, is_quantised, storage_dtype
 from deepinfer.layers.metadata import CacheTensorSpec, ForwardMeta
@@ -83,6 +84,9 @@ class DecodeBatch:
     slots: torch.Tensor  # [R, L] cache slot of positions 0..L-1 (slot of position 0 where invalid)
     valid: torch.Tensor  # [R, L] position < seq_len of the request
     attend: torch.Tensor | None = None  # [R, L] the positions attended (DSA: a layer's selection); None: valid
+    block_table: torch.Tensor | None = None  # [R, max_blocks] for the paged kernel (reads rows itself)
+    seq_lens: torch.Tensor | None = None  # [R]
+    block_size: int = 0
 
 
 @dataclass
@@ -118,7 +122,8 @@ def _decode_batch(meta: ForwardMeta, reqs: list[int]) -> DecodeBatch | None:
     req_rows = torch.tensor(reqs, device=dev)[:, None].expand_as(valid)
     slots = meta.slots_of(req_rows, torch.where(valid, pos, 0))
     rows = torch.tensor([meta.query_start[r] for r in reqs], device=dev)
-    return DecodeBatch(rows, slots, valid)
+    return DecodeBatch(rows, slots, valid, None, meta.block_table[torch.tensor(reqs, device=dev)], lens,
+                       meta.block_size)
 
 
 def _prefill_seq(meta: ForwardMeta, r: int) -> PrefillSeq:
@@ -296,6 +301,12 @@ class MLAttention(nn.Module):
     def _absorbed_batch(self, q_nope, q_pe, cache: PagedPool, batch: DecodeBatch) -> torch.Tensor:
         w_uk, w_uv = self._w_kv_b()
         q = torch.cat([torch.einsum("rhd,hdc->rhc", q_nope, w_uk), q_pe], dim=-1)
+        if batch.block_table is not None and triton_enabled(q):  # CUDA: the paged kernel reads the rows itself
+            from deepinfer.kernels.mla_decode import mla_decode
+
+            o_c = mla_decode(q, cache.data, cache.scale, batch.block_table, batch.seq_lens, self.latent, self.scale,
+                             batch.attend, block_size=batch.block_size)
+            return torch.einsum("rhc,hvc->rhv", o_c, w_uv)
         # padded slots may hold anything (even NaN): zero them so masked probabilities stay exact zeros
         ctx = cache.read(batch.slots).masked_fill(~batch.valid[..., None], 0)
         scores = torch.matmul(q, ctx.transpose(1, 2)) * self.scale
@@ -348,12 +359,29 @@ class MLAttention(nn.Module):
         index_cache.write(step.new_slots, idx.keys(x, step.cos, step.sin))
         q, w = idx.queries(x, q_resid, step.cos, step.sin)
         decode = step.decode
-        if decode is not None:
+        if decode is not None and triton_enabled(q):
+            decode = replace(decode, attend=self._kernel_select(q[decode.rows], w[decode.rows], index_cache, decode))
+        elif decode is not None:
             rows = decode.rows
             decode = replace(decode, attend=idx.select_decode(q[rows], w[rows], index_cache, decode.slots,
                                                                decode.valid))
         attends = [idx.select_prefill(q[seq.rows], w[seq.rows], index_cache, seq.ctx_slots) for seq in step.prefills]
         return decode, attends
+
+
+    def _kernel_select(self, q: torch.Tensor, w: torch.Tensor, index_cache: PagedPool,
+                       decode: DecodeBatch) -> torch.Tensor:
+        """DSA decode on CUDA: the indexer kernel's top-k positions as the [R, L] attend mask."""
+        from deepinfer.kernels.indexer import indexer_topk
+
+        reqs = torch.arange(q.shape[0], device=q.device)
+        picked, ok = indexer_topk(q, w, index_cache.data, index_cache.scale, decode.block_table, reqs,
+                                  decode.seq_lens, decode.block_size, self.indexer.topk, self.indexer.scale,
+                                  max_entries=decode.valid.shape[1])
+        length = decode.valid.shape[1]  # padding slots land in one extra column, dropped after
+        attend = decode.valid.new_zeros(q.shape[0], length + 1)
+        attend.scatter_(1, torch.where(ok, picked, length), True)
+        return attend[:, :length] & decode.valid
 
 
 def is_moe_layer(cfg: ModelConfig, idx: int) -> bool:

@@ -193,8 +193,10 @@ class Indexer(nn.Module):
         """Top-k visible entry numbers per query [T, k] and their validity; ties go to the lower index."""
         q = self.wq_b(qr).view(-1, self.n_heads, self.head_dim)
         q = rotate_tail(q, *ctx.rope["compress"])
-        keys = pool.read(plan.query_entries)  # [T, E, d]
         weights = self.weights_proj(x).float() * self.n_heads**-0.5
+        if ctx.use_kernels:  # entry numbers ascending, -1 padded; keys read through the block table
+            return self._kernel_select(q, weights, ctx.meta, pool, plan)
+        keys = pool.read(plan.query_entries)  # [T, E, d]
         if batch_invariant_enabled():
             scores = self._scores_per_token(q, keys, weights, plan.query_valid)
         else:
@@ -204,6 +206,15 @@ class Indexer(nn.Module):
         k = min(self.topk, scores.shape[1])
         order = torch.sort(scores, dim=1, descending=True, stable=True).indices[:, :k]
         return order, plan.query_valid.gather(1, order)
+
+    def _kernel_select(self, q: torch.Tensor, weights: torch.Tensor, meta: ForwardMeta, pool: PagedPool,
+                       plan: CompressPlan) -> tuple[torch.Tensor, torch.Tensor]:
+        from deepinfer.kernels.indexer import indexer_topk
+
+        visible = (meta.positions + 1) // plan.ratio
+        return indexer_topk(q, weights, pool.data, pool.scale, meta.block_table, meta.token_req, visible,
+                            meta.block_size // plan.ratio, self.topk, self.head_dim**-0.5,
+                            max_entries=plan.query_entries.shape[1])
 
     def _scores_per_token(self, q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor,
                           valid: torch.Tensor) -> torch.Tensor:
