@@ -557,6 +557,11 @@ class EngineArgs:
     # Batch-invariant kernels and position-seeded sampling: a request's logits and tokens do not depend
     # on the batch, chunking or preemption (docs/determinism.md). Slower.
     deterministic: bool = False
+    # CUDA graphs (worker/cuda_graphs.py): decode and verify steps of up to max_cuda_graph_batch_size requests
+    # are replayed from graphs captured at start-up (CUDA, one process, models with a fixed-shape forward).
+    # enforce_eager: never capture; every step runs eagerly.
+    enforce_eager: bool = False
+    max_cuda_graph_batch_size: int = 256
     grammar_compile_timeout_s: float = 30.0  # a structured-output grammar that takes longer fails its request
     # budget-aware structured outputs: once the remaining max_tokens / context is within this many tokens of
     # what finishing the grammar needs, only closing tokens are allowed (docs/structured-outputs.md); -1: off
@@ -611,6 +616,8 @@ class EngineArgs:
             raise ValueError(f"distributed_timeout_s must be > 0, got {self.distributed_timeout_s}")
         if self.grammar_compile_timeout_s <= 0:
             raise ValueError(f"grammar_compile_timeout_s must be > 0, got {self.grammar_compile_timeout_s}")
+        if self.max_cuda_graph_batch_size < 1:
+            raise ValueError(f"max_cuda_graph_batch_size must be >= 1, got {self.max_cuda_graph_batch_size}")
         if self.grammar_closing_margin < -1:
             raise ValueError(f"grammar_closing_margin must be >= 0 (or -1: off), got {self.grammar_closing_margin}")
         if SpeculativeConfig.parse(self.speculative_config) is not None and self.deterministic:

@@ -23,6 +23,7 @@ from deepinfer.models.weights import tensor_ranges, wanted_names
 from deepinfer.request import Request, RequestStatus
 from deepinfer.sampling_params import SamplingParams
 from deepinfer.spec import build_proposer
+from deepinfer.worker.cuda_graphs import build_graphs, use_cuda_graphs
 from deepinfer.worker.model_runner import CacheLayout, ModelRunner, available_memory_bytes, plan_cache
 
 logger = logging.getLogger("deepinfer")
@@ -165,9 +166,13 @@ class EngineCore:
         prepare_model(self.model, args)
         self.proposer = build_proposer(self.speculative, self.model, model)
         layout = plan_layout(self.model, args, self.max_model_len, self.device)
+        graphed = use_cuda_graphs(self.model, args, self.device)
         runner = ModelRunner(self.model, layout, self.device, args.deterministic, args.seed, self.proposer,
-                             cache_specs(self.model, args, layout.block_size))
+                             cache_specs(self.model, args, layout.block_size), scratch_rows=int(graphed))
         runner.replay_tokens = replay_tokens(self.model, args)
+        if graphed:
+            runner.graphs = build_graphs(runner, args, self.max_model_len)
+            runner.graphs.capture_all(args.load_progress)
         return runner
 
     # --- requests ------------------------------------------------------------------------------

@@ -44,7 +44,9 @@ from deepinfer.layers.metadata import CacheTensorSpec, ForwardMeta
 from deepinfer.layers.moe import routed_experts, swiglu
 from deepinfer.layers.norm import RMSNorm, rms_normalize
 from deepinfer.layers.rotary import RotaryTable, rotate_tail
+from deepinfer.layers.static_step import StaticStep
 from deepinfer.models.v4_plan import CompressPlan, WindowPlan, compress_plan, window_plan
+from deepinfer.models.v4_static import StaticCompress, StaticRing, StaticRope, StaticWindow, static_compress
 from deepinfer.models.weights import assign_weights
 
 
@@ -80,6 +82,34 @@ class StepContext:
         if key not in self._compress:
             self._compress[key] = compress_plan(self.meta, ratio, overlap, self.lookahead)
         return self._compress[key]
+
+
+class StaticStepContext(StepContext):
+    """StepContext of a fixed-shape step (layers/static_step.py; what CUDA graphs replay): the same interface,
+    plans from models/v4_static.py, always the Triton kernels. Padding rows use the scratch block / slot."""
+
+    def __init__(self, model: DeepseekV4ForCausalLM, step: StaticStep, scratch_block: int):
+        self.meta, self.cfg, self.lookahead = step, model.config, model.num_lookahead_tokens
+        self.rope_table = {"main": StaticRope(model.rope_main), "compress": StaticRope(model.rope_compress)}
+        self.rope = {kind: table.lookup(step.positions) for kind, table in self.rope_table.items()}
+        self.use_kernels, self.scratch_block = True, scratch_block
+        self.slot = step.state_slots[step.token_req]
+        self.window = StaticWindow(StaticRing(model.config.sliding_window + self.lookahead, step, self.slot))
+        self._compress = {}
+
+    def compress(self, ratio: int, overlap: bool) -> StaticCompress:
+        key = (ratio, overlap)
+        if key not in self._compress:
+            ring = StaticRing(ratio * (2 if overlap else 1) + self.lookahead, self.meta, self.slot)
+            self._compress[key] = static_compress(self.meta, ring, ratio, overlap, self.scratch_block)
+        return self._compress[key]
+
+    def window_source(self, ring: torch.Tensor, kv: torch.Tensor):
+        from deepinfer.kernels.sparse_attention import WindowSource
+
+        step = self.meta
+        return WindowSource(ring, self.window.source.ring_len, self.cfg.sliding_window, kv, self.slot,
+                            step.token_start, step.token_qstart, step.positions)
 
 
 # ----------------------------------------------------------------------------------------- TP helpers
@@ -214,7 +244,7 @@ class Indexer(nn.Module):
         visible = (meta.positions + 1) // plan.ratio
         return indexer_topk(q, weights, pool.data, pool.scale, meta.block_table, meta.token_req, visible,
                             meta.block_size // plan.ratio, self.topk, self.head_dim**-0.5,
-                            max_entries=plan.query_entries.shape[1])
+                            max_entries=plan.max_entries)
 
     def _scores_per_token(self, q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor,
                           valid: torch.Tensor) -> torch.Tensor:
@@ -552,8 +582,19 @@ class DeepseekV4ForCausalLM(nn.Module):
     # --- compute ---------------------------------------------------------------------------------
     def forward(self, meta: ForwardMeta, return_mtp_input: bool = False) -> torch.Tensor | tuple[torch.Tensor, ...]:
         """Final normed hidden [T, D]; with return_mtp_input also the final streams [T, hc, D] MTP layer 0 takes."""
-        ctx = StepContext(self, meta)
-        x = self.embed(meta.input_ids)
+        return self._run(StepContext(self, meta), return_mtp_input)
+
+    def forward_static(self, step: StaticStep, scratch_block: int, return_mtp_input: bool = False):
+        """forward over a fixed-shape step (CUDA-graph capture and replay): no host sync, no data-dependent
+        shape; the rope tables must already cover every position (grow_rope)."""
+        return self._run(StaticStepContext(self, step, scratch_block), return_mtp_input)
+
+    def grow_rope(self, max_position: int) -> None:
+        for table in (self.rope_main, self.rope_compress):
+            table.lookup(torch.tensor([max_position - 1], device=table.cos.device))
+
+    def _run(self, ctx: StepContext, return_mtp_input: bool):
+        x = self.embed(ctx.meta.input_ids)
         streams = x.unsqueeze(1).expand(-1, self.config.hc_mult, -1).contiguous()
         for layer in self.layers:
             streams = layer(streams, ctx)

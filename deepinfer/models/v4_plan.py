@@ -99,6 +99,11 @@ class CompressPlan:
     def num_new(self) -> int:
         return int(self.entry_dst.numel())
 
+    @property
+    def max_entries(self) -> int:
+        """Entries the widest request of the step can see (the indexer's score width)."""
+        return self.query_entries.shape[1]
+
 
 def _completed_windows(meta: ForwardMeta, ratio: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(request row, window index) of every window whose last token is computed this step, except

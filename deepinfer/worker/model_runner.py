@@ -74,8 +74,12 @@ def plan_cache(specs: list[CacheTensorSpec], block_size: int, num_slots: int, bu
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, layout: CacheLayout, device: torch.device,
                  deterministic: bool = False, seed: int = 0, proposer: Proposer | None = None,
-                 specs: list[CacheTensorSpec] | None = None):
+                 specs: list[CacheTensorSpec] | None = None, scratch_rows: int = 0):
+        """scratch_rows: extra paged blocks and state rows past the layout's, never handed out by the scheduler
+        (CUDA graphs' padding rows write there: block layout.num_blocks, state row layout.state_rows)."""
         self.model, self.layout, self.device = model, layout, device
+        self.scratch_rows = scratch_rows
+        self.graphs = None  # worker.cuda_graphs.StepGraphs once captured
         self.deterministic, self.seed = deterministic, seed
         self.proposer = proposer
         self.vocab_size = model.config.vocab_size
@@ -90,7 +94,7 @@ class ModelRunner:
         self.last_sampled: dict[str, int] = {}
 
     def _allocate(self, spec: CacheTensorSpec) -> torch.Tensor:
-        rows = self.layout.num_blocks if spec.kind == "paged" else self.layout.state_rows
+        rows = (self.layout.num_blocks if spec.kind == "paged" else self.layout.state_rows) + self.scratch_rows
         return torch.zeros((rows, *spec.shape), dtype=spec.dtype, device=self.device)
 
     # --- one step --------------------------------------------------------------------------------
@@ -117,12 +121,20 @@ class ModelRunner:
             with batch_invariant():
                 return self.model.compute_logits(self.model(meta)[meta.logits_indices]), None
         kind = self.proposer.hidden_kind if self.proposer is not None else ""
-        if kind == "mtp":
+        if self._graphed(meta):
+            out = self.graphs.run(meta)
+            hidden, draft_input = out[0], (out[1] if kind == "mtp" else out[0] if kind == "final" else None)
+        elif kind == "mtp":
             hidden, draft_input = self.model(meta, return_mtp_input=True)
         else:
             hidden = self.forward(meta)
             draft_input = hidden if kind == "final" else None
         return self.model.compute_logits(hidden[meta.logits_indices]), draft_input
+
+    def _graphed(self, meta: ForwardMeta) -> bool:
+        """Whether this step replays a CUDA graph (decode / verify steps they cover; never two-batch overlap)."""
+        return (self.graphs is not None and self.forward is self.model
+                and self.graphs.covers(meta.query_start, meta.block_table.shape[1]))
 
     def _prepare(self, scheduled: list[ScheduledRequest]):
         ids, positions, token_req, qstart = [], [], [], [0]
