@@ -61,7 +61,8 @@ def _generate(ckpt, repeat: bool = False, **options) -> tuple[list[list[int]], l
     return [o.outputs[0].token_ids for o in outs], replays
 
 
-@pytest.mark.parametrize("options", [{}, {"async_scheduling": True}], ids=["sync", "async"])
+@pytest.mark.parametrize("options", [{}, pytest.param({"async_scheduling": True}, marks=pytest.mark.slow)],
+                         ids=["sync", "async"])
 def test_graph_replayed_decode_matches_eager(ckpt, monkeypatch, options):
     _force_kernels(monkeypatch)
     want, none = _generate(ckpt, enforce_eager=True, **options)
@@ -85,3 +86,14 @@ def test_graph_replayed_verify_steps_match_eager(ckpt, monkeypatch):
 
 def test_models_without_a_fixed_shape_forward_run_eagerly():
     assert not cuda_graphs.supports_graphs(torch.nn.Linear(2, 2))
+
+
+@pytest.mark.slow
+def test_graph_replayed_mla_decode_matches_eager(tmp_path, monkeypatch):
+    """DeepSeek-V3 (MLA, fused MoE) decode steps through the graphs."""
+    path = save_reference(make_reference("v3", seed=2), tmp_path / "v3")
+    _force_kernels(monkeypatch)
+    want, _ = _generate(path, enforce_eager=True)
+    monkeypatch.setattr(core, "use_cuda_graphs", lambda model, args, device: not args.enforce_eager)
+    got, replays = _generate(path)
+    assert got == want and len(replays) >= 6

@@ -75,7 +75,7 @@ def _mla_logits(model, seqs) -> list[torch.Tensor]:
     return out
 
 
-@pytest.mark.parametrize("kind", ["v3", "v32"])
+@pytest.mark.parametrize("kind", ["v3", pytest.param("v32", marks=pytest.mark.slow)])
 def test_mla_kernel_paths_match_torch_paths(monkeypatch, kind):
     """MLA paged decode (V3), the fused MoE, and the DSA indexer's decode selection (V3.2)."""
     model = _mla(kind)

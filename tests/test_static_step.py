@@ -21,7 +21,7 @@ def _caches(model):
             for s in specs}
 
 
-def _meta(seqs, tables, slots, starts, counts) -> ForwardMeta:
+def _meta(seqs, tables, slots, starts, counts, block_size: int = BLOCK) -> ForwardMeta:
     pos = [list(range(s, s + c)) for s, c in zip(starts, counts)]
     qs = [0]
     for c in counts:
@@ -31,7 +31,7 @@ def _meta(seqs, tables, slots, starts, counts) -> ForwardMeta:
         positions=torch.tensor([p for ps in pos for p in ps]),
         token_req=torch.tensor([r for r, ps in enumerate(pos) for _ in ps]), block_table=torch.tensor(tables),
         state_slots=torch.tensor(slots), logits_indices=torch.tensor(qs[1:]) - 1, query_start=qs,
-        seq_starts=list(starts), seq_lens=[s + c for s, c in zip(starts, counts)], block_size=BLOCK)
+        seq_starts=list(starts), seq_lens=[s + c for s, c in zip(starts, counts)], block_size=block_size)
 
 
 def _padded(meta: ForwardMeta, batch: int) -> StaticStep:
@@ -41,7 +41,7 @@ def _padded(meta: ForwardMeta, batch: int) -> StaticStep:
     return static
 
 
-@pytest.mark.parametrize("per_step", [1, 2])
+@pytest.mark.parametrize("per_step", [1, pytest.param(2, marks=pytest.mark.slow)])
 def test_v4_static_step_matches_forward(monkeypatch, per_step):
     """Decode (1 token) and verify-like (2 tokens) steps, padded from 2 requests to 4 rows."""
     model = _v4()
@@ -67,3 +67,41 @@ def test_v4_static_step_matches_forward(monkeypatch, per_step):
     for name, tensor in eager.items():
         rows = NUM_BLOCKS if name.endswith(("entries", "scale")) else SLOTS
         torch.testing.assert_close(static[name][:rows], tensor[:rows], rtol=1e-4, atol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize("kind,per_step", [("v3", 1), pytest.param("v32", 1, marks=pytest.mark.slow),
+                                           pytest.param("v3", 2, marks=pytest.mark.slow)])
+def test_mla_static_step_matches_forward(monkeypatch, kind, per_step):
+    """MLA decode (V3), with the DSA indexer (V3.2), and a 2-token step (each token an absorbed query where
+    the ordinary forward expands a prefill chunk: equal within float32 rounding)."""
+    from paged_mla import BLOCK as MLA_BLOCK
+    from test_kernels_models import _mla
+
+    model = _mla(kind)
+    _force_kernels(monkeypatch)
+    model.grow_rope(64)
+    specs = model.kv_cache_spec(MLA_BLOCK)
+    g = torch.Generator().manual_seed(4)
+    seqs = [torch.randint(3, 512, (40,), generator=g).tolist() for _ in range(2)]
+    tables, slots = [[3, 7, 1, 9, 4, 10, 6, 8], [5, 0, 11, 2, 13, 12, 14, 15]], [0, 1]
+    blocks = 16
+    eager, static = ({s.name: torch.zeros((blocks + 1, *s.shape), dtype=s.dtype) for s in specs} for _ in range(2))
+    starts = [17, 9]
+    for cache in (eager, static):
+        model.bind_kv_cache(cache)
+        with torch.no_grad():
+            model(_meta(seqs, tables, slots, [0, 0], starts, MLA_BLOCK))
+    for _ in range(4):
+        meta = _meta(seqs, tables, slots, starts, [per_step] * 2, MLA_BLOCK)
+        real = StaticStep.from_meta(meta)
+        padded = StaticStep.empty(3, per_step, 8, MLA_BLOCK, 2, blocks, meta.device)
+        padded.copy_from(real)
+        with torch.no_grad():
+            model.bind_kv_cache(eager)
+            want = model.compute_logits(model(meta))
+            model.bind_kv_cache(static)
+            got = model.compute_logits(model.forward_static(padded, blocks))
+        torch.testing.assert_close(got[:meta.num_tokens], want, rtol=1e-4, atol=1e-4)
+        starts = [s + per_step for s in starts]
+    for name, tensor in eager.items():
+        torch.testing.assert_close(static[name][:blocks], tensor[:blocks], rtol=1e-4, atol=1e-5, msg=name)

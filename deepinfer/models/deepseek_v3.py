@@ -22,7 +22,7 @@ Parallelism (``ModelParallel``; ``ModelParallel.single()`` builds exactly the on
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, replace
 from functools import partial
 
@@ -49,10 +49,12 @@ from deepinfer.layers.kv_quant import PagedPool, is_quantised, storage_dtype
 from deepinfer.layers.metadata import CacheTensorSpec, ForwardMeta
 from deepinfer.layers.norm import RMSNorm
 from deepinfer.layers.rotary import RotaryTable, rotate_halves, rotate_interleaved
+from deepinfer.layers.static_step import StaticStep
 from deepinfer.models.dsa import Indexer
-from deepinfer.models.loader import CheckpointError
+from deepinfer.models.loader import CheckpointError, QuantInfo
 from deepinfer.models.mla_mtp import MTP_SHARED_TENSORS, MLAMTPLayer
 from deepinfer.models.mla_routing import select_experts
+from deepinfer.models.quantized import V3_EXPERT_LEAVES, keep_quantized_modules
 
 # q_a_layernorm / kv_a_layernorm use the RMSNorm default eps in DeepSeek's code, not rms_norm_eps.
 _LATENT_NORM_EPS = 1e-6
@@ -163,6 +165,18 @@ def plan_step(meta: ForwardMeta, rotary: RotaryTable, interleave: bool) -> MLASt
     decode = _decode_batch(meta, [r for r, n in enumerate(qlens) if n == 1])
     prefills = [_prefill_seq(meta, r) for r, n in enumerate(qlens) if n > 1]
     return MLAStep(cos, sin, meta.new_token_slots(), decode, prefills, interleave)
+
+
+def static_plan(step: StaticStep, rotary: RotaryTable, interleave: bool) -> MLAStep:
+    """The plan of a fixed-shape step (CUDA graphs): every token an absorbed query over positions 0..its own,
+    read by the paged kernel through its request's block-table row; no host sync (the table is pre-grown)."""
+    req, pos = step.token_req, step.positions
+    lens = pos + 1
+    width = step.block_table.shape[1] * step.block_size
+    valid = torch.arange(width, device=step.device)[None, :] < lens[:, None]
+    decode = DecodeBatch(torch.arange(pos.numel(), device=step.device), valid, valid, None,
+                         step.block_table[req], lens, step.block_size)
+    return MLAStep(rotary.cos[pos], rotary.sin[pos], step.slots_of(req, pos), decode, [], interleave)
 
 
 # ---------------------------------------------------------------- modules (names = HF checkpoint names)
@@ -444,19 +458,25 @@ class DeepseekV3Model(nn.Module):
 # (another EP rank's expert is counted as seen and dropped). Full shapes are checked before slicing, so a bad
 # checkpoint fails with the same message on every rank, and every rank requires every tensor.
 
-_EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+_EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)"
+                     r"\.(weight|weight_scale_inv)$")  # group 4: a kept-quantised expert's scale
 _FUSED = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj|w13|w2)$")
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 _MTP_EXPERT = re.compile(r"^mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
-_STACKED_PARTS = {"w13": ("gate_proj", "up_proj"), "w2": ("down_proj",)}
+_STACKED_PARTS = {"w13": ("gate_proj", "up_proj"), "w2": ("down_proj",),  # (kept-quantised: their scales)
+                  "w13_scale": ("gate_proj", "up_proj"), "w2_scale": ("down_proj",)}
+# Kept quantised, these stay nn.Linear and dequantised: absorbed decode reads kv_b_proj.weight as a float matrix.
+_KEEP_DEQUANTIZED = ("kv_b_proj",)
 _FUSED_TO_STACKED = {"gate_up_proj": "w13", "down_proj": "w2", "w13": "w13", "w2": "w2"}
 _MTP_FUSED = {"mlp.experts.gate_up_proj": "w13", "mlp.experts.down_proj": "w2"}
 HALF = {"gate_proj": 0, "up_proj": 1, "down_proj": None}  # which half of w13 a per-expert part fills (None: w2)
 
 
 def _expert_part_names(prefix: str, leaf: str, experts) -> list[str]:
-    """Per-expert checkpoint names that one stacked tensor (w13 or w2) is made of, for the experts `experts`."""
-    return [f"{prefix}.{e}.{part}.weight" for e in experts for part in _STACKED_PARTS[leaf]]
+    """Per-expert checkpoint names that one stacked tensor (w13 or w2, or their kept-quantised scales) is made of,
+    for the experts `experts`."""
+    kind = "weight_scale_inv" if leaf.endswith("_scale") else "weight"
+    return [f"{prefix}.{e}.{part}.{kind}" for e in experts for part in _STACKED_PARTS[leaf]]
 
 
 def _expected_names(targets: dict[str, torch.Tensor], experts: dict[str, ParallelExperts]) -> set[str]:
@@ -552,15 +572,18 @@ class _WeightLoader:
         self._copy(dst, full if cut else shard(full), name, source)
 
     def _put_expert(self, m: re.Match, tensor: torch.Tensor, source: str) -> None:
-        prefix, e, half = m[1], int(m[2]), HALF[m[3]]
+        prefix, e, half, scale = m[1], int(m[2]), HALF[m[3]], m[4] == "weight_scale_inv"
         experts = self._experts_at(prefix, source, m[0])
-        if e >= experts.num_experts:
-            raise CheckpointError(f"{source}: unknown tensor {m[0]!r} (only {experts.num_experts} experts)")
-        self._check_shape(tensor.shape, _expert_full_shape(self.cfg, half), m[0], source)
+        if e >= experts.num_experts or (scale and experts.quant is None):
+            raise CheckpointError(f"{source}: unknown tensor {m[0]!r} ({experts.num_experts} experts, "
+                                  f"stored {experts.quant or 'dequantised'})")
+        if not scale:  # a kept scale's shape was checked by the loader; its slot's shape by _copy
+            self._check_shape(tensor.shape, _expert_full_shape(self.cfg, half), m[0], source)
         self.pending.discard(m[0])
         local = experts.local_index(e)
         if local is not None:  # else another EP rank's expert: seen, not kept
-            self._copy(expert_slot(experts, local, half), experts.shard_weight(tensor, half), m[0], source)
+            slot = experts.scale_slot(local, half) if scale else expert_slot(experts, local, half)
+            self._copy(slot, experts.shard_weight(tensor, half), m[0], source)
 
     def _put_fused(self, m: re.Match, tensor: torch.Tensor, source: str) -> None:
         """transformers' fused gate_up_proj / down_proj, or our own stacked w13 / w2 (the same layouts)."""
@@ -673,10 +696,47 @@ class DeepseekV3ForCausalLM(nn.Module):
         for k in range(self.config.num_mtp_layers):
             prefix = f"model.layers.{self.config.num_layers + k}."
             layer = MLAMTPLayer(self.config, k, self.dtype, device, self.parallel)
+            self._keep_mtp_quantized(layer, prefix)
             layer.load({n: t for n, t in self.mtp_weights.items() if n.startswith(prefix)}, prefix)
             layers.append(layer.requires_grad_(False).eval())
         self.mtp = nn.ModuleList(layers)
         self.mtp_weights = {}
+
+    def keep_quantized_weights(self, quantized: Mapping[str, QuantInfo],
+                               block: tuple[int, int] | None = None) -> Callable[[str], bool]:
+        """Store the weights `quantized` (loader.quantized_weights of the checkpoint) says are FP8 as they are:
+        dense projections become FP8BlockLinear, routed experts FP8 ParallelExperts (when `block[0]` divides
+        moe_intermediate_size); kv_b_proj stays dequantised (absorbed decode reads its weight). MTP layers are
+        kept alike (swapped when build_mtp builds them). Call before load_weights and pass the returned predicate
+        to iter_checkpoint(keep_quantized=...). One process only (ValueError under TP / EP). `block`: the FP8
+        block, default config.weight_block_size."""
+        block = tuple(block or self.config.weight_block_size)
+        kept = keep_quantized_modules(self, quantized, block, V3_EXPERT_LEAVES, self.parallel,
+                                      excluded=_KEEP_DEQUANTIZED)
+        kept |= self._mtp_kept(quantized, block)
+        self._kept_quantized = ({n: quantized[n] for n in kept}, block)
+        return frozenset(kept).__contains__
+
+    def _mtp_kept(self, quantized: Mapping[str, QuantInfo], block: tuple[int, int]) -> set[str]:
+        """The MTP names build_mtp's layers will keep quantised: decided on meta-device twins of those layers."""
+        if self.config.has_dsa_indexer:  # no MTP drafting for DSA: its MTP tensors load dequantised
+            return set()
+        kept: set[str] = set()
+        for k in range(self.config.num_mtp_layers):
+            with torch.device("meta"):
+                layer = MLAMTPLayer(self.config, k, self.dtype, "meta", self.parallel)
+            kept |= self._keep_mtp_quantized(layer, f"model.layers.{self.config.num_layers + k}.", quantized, block)
+        return kept
+
+    def _keep_mtp_quantized(self, layer: MLAMTPLayer, prefix: str, quantized: Mapping[str, QuantInfo] | None = None,
+                            block: tuple[int, int] | None = None) -> set[str]:
+        """Swap an MTP layer's modules like the main layers' (default: as keep_quantized_weights decided)."""
+        if quantized is None:
+            quantized, block = getattr(self, "_kept_quantized", ({}, None))
+        if not quantized:
+            return set()
+        return keep_quantized_modules(layer, quantized, block, V3_EXPERT_LEAVES, self.parallel,
+                                      lambda path: prefix + path.removeprefix("block."), _KEEP_DEQUANTIZED)
 
     def _layer_names(self, include_mtp: bool) -> list[str]:
         mtp = [f"mtp.{k}.mla" for k in range(len(self.mtp))] if include_mtp else []
@@ -718,10 +778,23 @@ class DeepseekV3ForCausalLM(nn.Module):
 
     def forward(self, meta: ForwardMeta, return_mtp_input: bool = False) -> torch.Tensor | tuple[torch.Tensor, ...]:
         """Final normed hidden [T, D]; with return_mtp_input twice (it is also what MTP layer 0 takes)."""
+        return self._run(self._step(meta), meta.input_ids, return_mtp_input)
+
+    def forward_static(self, step: StaticStep, scratch_block: int, return_mtp_input: bool = False):
+        """forward over a fixed-shape step (CUDA graphs; the paged kernels only, padding rows in the scratch
+        block); the rope table must cover every position (grow_rope)."""
+        if not triton_enabled(step.input_ids):
+            raise RuntimeError("forward_static runs on the Triton kernels (CUDA with triton)")
+        return self._run(static_plan(step, self.rotary, self.config.rope_interleave), step.input_ids,
+                         return_mtp_input)
+
+    def grow_rope(self, max_position: int) -> None:
+        self.rotary.lookup(torch.tensor([max_position - 1], device=self.rotary.cos.device))
+
+    def _run(self, step: MLAStep, input_ids: torch.Tensor, return_mtp_input: bool):
         if not self._kv:
             raise RuntimeError("bind_kv_cache() must be called before forward()")
-        step = self._step(meta)
-        h = self.model.embed_tokens(meta.input_ids)
+        h = self.model.embed_tokens(input_ids)
         for layer, cache, index_cache in zip(self.model.layers, self._kv, self._index_kv):
             h = layer(h, step, cache, index_cache)
         hidden = self.model.norm(h)

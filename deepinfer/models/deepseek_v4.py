@@ -18,7 +18,7 @@ tensors.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import replace
 
 import torch
@@ -45,6 +45,8 @@ from deepinfer.layers.moe import routed_experts, swiglu
 from deepinfer.layers.norm import RMSNorm, rms_normalize
 from deepinfer.layers.rotary import RotaryTable, rotate_tail
 from deepinfer.layers.static_step import StaticStep
+from deepinfer.models.loader import QuantInfo
+from deepinfer.models.quantized import V4_EXPERT_LEAVES, keep_quantized_modules
 from deepinfer.models.v4_plan import CompressPlan, WindowPlan, compress_plan, window_plan
 from deepinfer.models.v4_static import StaticCompress, StaticRing, StaticRope, StaticWindow, static_compress
 from deepinfer.models.weights import assign_weights
@@ -587,6 +589,8 @@ class DeepseekV4ForCausalLM(nn.Module):
     def forward_static(self, step: StaticStep, scratch_block: int, return_mtp_input: bool = False):
         """forward over a fixed-shape step (CUDA-graph capture and replay): no host sync, no data-dependent
         shape; the rope tables must already cover every position (grow_rope)."""
+        if not triton_enabled(step.input_ids):
+            raise RuntimeError("forward_static runs on the Triton kernels (CUDA with triton)")
         return self._run(StaticStepContext(self, step, scratch_block), return_mtp_input)
 
     def grow_rope(self, max_position: int) -> None:
@@ -623,6 +627,17 @@ class DeepseekV4ForCausalLM(nn.Module):
         return self.head(hidden).float()
 
     # --- weights ---------------------------------------------------------------------------------
+    def keep_quantized_weights(self, quantized: Mapping[str, QuantInfo],
+                               block: tuple[int, int] | None = None) -> Callable[[str], bool]:
+        """Store the weights `quantized` (loader.quantized_weights of the checkpoint) says are quantised as they
+        are, main and MTP layers alike: FP8 projections become FP8BlockLinear (wo_a stays dequantised: its weight
+        feeds the grouped bmm), FP4 / FP8 routed experts quantised ParallelExperts. Call before load_weights and
+        pass the returned predicate to iter_checkpoint(keep_quantized=...). One process only (ValueError under
+        TP / EP). `block`: the FP8 block, default config.weight_block_size."""
+        block = tuple(block or self.config.weight_block_size)
+        kept = keep_quantized_modules(self, quantized, block, V4_EXPERT_LEAVES, self.parallel, excluded=("attn.wo_a",))
+        return frozenset(kept).__contains__
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor, str]]) -> None:
         """Main weights are required; the MTP weights (`mtp.*`) all or none (transformers drops them)."""
         loaded = assign_weights(self, self._internal_names(weights), optional_prefixes=("mtp.",))
