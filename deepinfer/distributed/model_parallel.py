@@ -39,7 +39,9 @@ from deepinfer.distributed.moe_comm import (
 )
 from deepinfer.distributed.tp import TPRank, all_reduce
 from deepinfer.eplb.stats import ExpertLoad
-from deepinfer.layers.moe import routed_experts
+from deepinfer.layers.moe import ExpertQuant, routed_experts
+from deepinfer.layers.quant_linear import _keep_dtype
+from deepinfer.models.loader import FP4_GROUP
 
 COMM_KINDS = {"allgather": AllGatherComm, "alltoall": AllToAllComm}
 
@@ -182,7 +184,11 @@ class ParallelExperts(nn.Module):
     then up rows) and w2 [E_local, D, I_local], in the single-process layout of ``layers.moe``.
 
     EP: E_local = the experts ``placement`` gives this rank, I_local = I. Otherwise E_local = E and I_local =
-    I / T (the gate and up halves are each split by rows, w2 by columns; partial sums are all-reduced)."""
+    I / T (the gate and up halves are each split by rows, w2 by columns; partial sums are all-reduced).
+
+    Kept quantised (``keep_quantized``, one process only): w13 / w2 hold the checkpoint's codes in the layouts of
+    kernels/fused_moe.py, with w13_scale / w2_scale beside them; each carries ``expert_quant`` (layers.moe), and
+    every tensor keeps its dtype through ``.to(dtype)`` (only device moves apply)."""
 
     def __init__(self, num_experts: int, dim: int, inter: int, topk: int, mp: ModelParallel, limit: float = 0.0):
         super().__init__()
@@ -202,6 +208,7 @@ class ParallelExperts(nn.Module):
         self.w2 = nn.Parameter(torch.zeros(len(self.local), dim, local_inter))
         self.tag = mp.register(self) if mp.expert_parallel else 0
         self.rows_served = 0  # EP: (token, k) rows this rank's slots computed, all rounds (drained ones too)
+        self.quant: str | None = None  # "fp8" | "mxfp4" once keep_quantized stored the weights quantised
 
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         """sum_k weight_k * expert_{id_k}(x) for every row of x [N, D] (global ids [N, K])."""
@@ -232,6 +239,40 @@ class ParallelExperts(nn.Module):
                 param.data = new
         self.placement = placement
 
+    # --- kept quantised ----------------------------------------------------------------------------
+    def keep_quantized(self, kind: str, block: tuple[int, int], dtype: torch.dtype, scale_dtype: torch.dtype) -> None:
+        """From here on store w13 / w2 as `kind` codes of `dtype` with scales (UE8M0 kept as such, any other scale
+        dtype as float32), uninitialised: call before loading. ValueError under TP / EP (not supported) or when
+        the shapes cannot be stacked (quantized_expert_shapes)."""
+        if not self.mp.is_single:
+            raise ValueError("kept-quantised routed experts need a single process: tensor / expert parallelism "
+                             "with quantised expert weights is not supported (load them dequantised)")
+        e, two_i, d = self.w13.shape
+        shapes = quantized_expert_shapes(kind, e, two_i // 2, d, block)
+        if shapes is None:
+            raise ValueError(f"{kind} experts of intermediate size {two_i // 2}, hidden {d} cannot be stacked with "
+                             f"block {tuple(block)} (see quantized_expert_shapes)")
+        scale_dtype = scale_dtype if scale_dtype == torch.float8_e8m0fnu else torch.float32
+        device = self.w13.device
+        (self.w13, self.w13_scale), (self.w2, self.w2_scale) = (
+            (_frozen(w, dtype, device), _frozen(s, scale_dtype, device)) for w, s in shapes)
+        self.w13.expert_quant = ExpertQuant(kind, self.w13_scale, tuple(block))
+        self.w2.expert_quant = ExpertQuant(kind, self.w2_scale, tuple(block))
+        self.quant = kind
+
+    def scale_slot(self, local: int, half: int | None) -> torch.Tensor:
+        """The view of w13_scale (gate: half 0, up: half 1) or w2_scale (half None) that local expert `local`'s
+        checkpoint scale fills (kept quantised only)."""
+        if half is None:
+            return self.w2_scale[local]
+        rows = self.w13_scale.shape[1] // 2
+        return self.w13_scale[local, half * rows:(half + 1) * rows]
+
+    def _apply(self, fn, recurse: bool = True):
+        if self.quant is None:
+            return super()._apply(fn, recurse)
+        return super()._apply(lambda t: _keep_dtype(fn, t), recurse)
+
     # --- loading ----------------------------------------------------------------------------------
     def local_index(self, expert: int) -> int | None:
         """Row of w13 / w2 holding global expert `expert` at load time (the contiguous block), or None when
@@ -245,6 +286,25 @@ class ParallelExperts(nn.Module):
         dim = 1 if half is None else 0
         per = tensor.shape[dim] // self.mp.tp.size
         return tensor.narrow(dim, self.mp.tp.rank * per, per).clone(memory_format=torch.contiguous_format)
+
+
+def quantized_expert_shapes(kind: str, experts: int, inter: int, dim: int, block: tuple[int, int]):
+    """((w13, w13_scale), (w2, w2_scale)) storage shapes of `experts` stacked quantised experts, or None when the
+    per-expert checkpoint tensors cannot be stacked into them: FP8 gate and up scales concatenate into w13's grid
+    only when `block[0]` divides the intermediate size; MXFP4 packs two inputs a byte (even D and I)."""
+    bn, bk = block
+    if kind == "fp8" and inter % bn == 0:
+        return (((experts, 2 * inter, dim), (experts, 2 * inter // bn, -(-dim // bk))),
+                ((experts, dim, inter), (experts, -(-dim // bn), -(-inter // bk))))
+    if kind == "mxfp4" and dim % 2 == 0 and inter % 2 == 0:
+        return (((experts, 2 * inter, dim // 2), (experts, 2 * inter, -(-dim // FP4_GROUP))),
+                ((experts, dim, inter // 2), (experts, dim, -(-inter // FP4_GROUP))))
+    return None
+
+
+def _frozen(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> nn.Parameter:
+    """An uninitialised parameter without grad (quantised storage is never trained)."""
+    return nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=False)
 
 
 def token_block(num_rows: int, tp: TPRank) -> slice:
@@ -263,4 +323,4 @@ def gather_rows(mine: torch.Tensor, num_rows: int, tp: TPRank, group: dist.Proce
     return out[:num_rows]
 
 
-__all__ = ["ModelParallel", "ParallelExperts", "gather_rows", "token_block"]
+__all__ = ["ModelParallel", "ParallelExperts", "gather_rows", "quantized_expert_shapes", "token_block"]

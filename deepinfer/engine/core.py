@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -17,7 +18,7 @@ from deepinfer.engine.kv_cache import KVCacheManager
 from deepinfer.engine.outputs import RunnerOutput, SchedulerOutput
 from deepinfer.engine.scheduler import Scheduler
 from deepinfer.engine.spec_calibration import calibrate_speculation
-from deepinfer.models.loader import iter_checkpoint
+from deepinfer.models.loader import iter_checkpoint, quantized_weights
 from deepinfer.models.registry import default_block_size, model_class
 from deepinfer.models.weights import tensor_ranges, wanted_names
 from deepinfer.request import Request, RequestStatus
@@ -27,6 +28,7 @@ from deepinfer.worker.cuda_graphs import build_graphs, use_cuda_graphs
 from deepinfer.worker.model_runner import CacheLayout, ModelRunner, available_memory_bytes, plan_cache
 
 logger = logging.getLogger("deepinfer")
+KEEP_QUANTIZED_ENV = "DEEPINFER_KEEP_QUANTIZED"  # "auto" (default: on CUDA), "1" (on any device), "0" (never)
 
 
 def load_model(path: str | Path, config: ModelConfig, dtype: torch.dtype, device: torch.device,
@@ -40,11 +42,28 @@ def load_model(path: str | Path, config: ModelConfig, dtype: torch.dtype, device
     wanted, skipped = wanted_names(model), getattr(model, "skips_tensor", None)
     if skipped is not None:  # tensors the model reads itself (memory-mapped tables) or does not use
         wanted = (lambda w: lambda name: w(name) and not skipped(name))(wanted)
+    keep = _keep_quantized(model, path, config, device, parallel)
     model.load_weights(iter_checkpoint(path, config.model_type, block_size=config.weight_block_size,
-                                       progress=progress, wanted=wanted, ranges=tensor_ranges(model)))
+                                       progress=progress, wanted=wanted, ranges=tensor_ranges(model),
+                                       keep_quantized=keep))
     if hasattr(model, "attach_checkpoint"):
         model.attach_checkpoint(path)
     return model.eval()
+
+
+def _keep_quantized(model: torch.nn.Module, path: str | Path, config: ModelConfig, device: torch.device,
+                    parallel=None):
+    """The loader's keep_quantized predicate: a single-process model that supports it keeps the checkpoint's
+    quantised weights quantised on CUDA (DEEPINFER_KEEP_QUANTIZED=1: on any device; =0: never). None: every
+    weight is dequantised at load, as on CPU and under TP / EP."""
+    mode = os.environ.get(KEEP_QUANTIZED_ENV, "auto")
+    if not (mode == "1" or (mode == "auto" and torch.device(device).type == "cuda")):
+        return None
+    quantized = quantized_weights(path, config.model_type)
+    if quantized and (not hasattr(model, "keep_quantized_weights") or not (parallel is None or parallel.is_single)):
+        logger.info("quantised weights are dequantised at load (kept quantised only on one process, V2/V3/V4)")
+        return None
+    return model.keep_quantized_weights(quantized) if quantized else None
 
 
 def effective_args(args: EngineArgs | None) -> EngineArgs:

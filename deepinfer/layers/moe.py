@@ -1,6 +1,14 @@
-"""Routed experts over stacked weights: token-sorted compute, one batched GEMM when groups are small."""
+"""Routed experts over stacked weights: token-sorted compute, one batched GEMM when groups are small.
+
+Kept-quantised experts: a stacked weight stored quantised (fp8 block-scaled or MXFP4, kernels/fused_moe.py layouts)
+carries an `expert_quant` attribute (ExpertQuant: kind, its scale tensor, the FP8 block), set by
+ParallelExperts.keep_quantized; `routed_experts` then runs the fused kernels on CUDA and otherwise
+`fused_moe_reference` (whole experts dequantised to float32 per call, the values the loader would have produced).
+"""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -21,10 +29,38 @@ def swiglu(gate_up: torch.Tensor, limit: float) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+@dataclass(frozen=True)
+class ExpertQuant:
+    """How a stacked expert weight is stored: kind "fp8" | "mxfp4", its scale (the module's scale parameter
+    itself, so device moves keep it current) and the FP8 (rows, cols) block (ignored by MXFP4)."""
+
+    kind: str
+    scale: torch.Tensor
+    block: tuple[int, int] = (128, 128)
+
+
+def expert_quant(w: torch.Tensor) -> ExpertQuant | None:
+    """The ExpertQuant a kept-quantised stacked weight carries; None for a float weight."""
+    return getattr(w, "expert_quant", None)
+
+
+def _quantized_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w13: torch.Tensor,
+                       w2: torch.Tensor, limit: float) -> torch.Tensor:
+    """Kept-quantised experts: the fused kernels on CUDA, else the torch reference (dequantise, then float32)."""
+    from deepinfer.kernels.fused_moe import fused_moe, fused_moe_reference
+
+    q13, q2 = expert_quant(w13), expert_quant(w2)
+    run = fused_moe if triton_enabled(x) and not batch_invariant_enabled() else fused_moe_reference
+    return run(x, topk_ids, topk_weights, w13, w2, limit, q13.scale, q2.scale, q13.kind, q13.block)
+
+
 def routed_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                    w13: torch.Tensor, w2: torch.Tensor, limit: float = 0.0) -> torch.Tensor:
     """sum_k weight_k * expert_{id_k}(x) for x [T, D], ids/weights [T, K], w13 [E, 2I, D], w2 [E, D, I].
-    On CUDA the fused Triton kernels (kernels/fused_moe.py) compute it without a host sync."""
+    On CUDA the fused Triton kernels (kernels/fused_moe.py) compute it without a host sync. Weights carrying
+    `expert_quant` (kept quantised) go to the quantised kernels / their torch reference."""
+    if expert_quant(w13) is not None:
+        return _quantized_experts(x, topk_ids, topk_weights, w13, w2, limit)
     if triton_enabled(x) and not batch_invariant_enabled():
         from deepinfer.kernels.fused_moe import fused_moe
 

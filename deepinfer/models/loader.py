@@ -1,7 +1,11 @@
 """Checkpoint discovery, streaming, dequantisation and tensor-name canonicalisation.
 
 `iter_checkpoint` is the one entry point the models use: it yields `(canonical_name, tensor, file_name)`
-one shard at a time. Quantised weights leave here as float32; their scale tensors are consumed.
+one shard at a time. Quantised weights leave here as float32 and their scale tensors are consumed, except those
+`keep_quantized` accepts: they leave raw (fp8 / packed fp4, never dequantised), each followed at once by its scale
+under the canonical name `<stem>.weight_scale_inv` (whatever the checkpoint's suffix), in the checkpoint's dtype.
+`quantized_weights` tells from the headers alone which weights are quantised, so a model can swap in quantised
+modules before loading (models/quantized.py).
 
 Invariants:
   * every error is a `CheckpointError` naming the file and, when one is involved, the tensor;
@@ -10,7 +14,9 @@ Invariants:
   * at most one shard is open at a time; only a quantised weight or scale whose partner lives in a later
     shard is held back, until that partner arrives;
   * with `wanted`, a tensor whose canonical name is not wanted is never read (nor its scale, nor
-    dequantised): a rank reads only the tensors it stores. The header pass still checks every tensor.
+    dequantised): a rank reads only the tensors it stores. The header pass still checks every tensor;
+  * a kept-quantised weight's scale has the shape its weight and block imply and finite entries, as a dequantised
+    one's (CheckpointError naming both tensors otherwise).
 """
 
 from __future__ import annotations
@@ -50,6 +56,23 @@ _E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, 
 
 class CheckpointError(ValueError):
     """A checkpoint that cannot be loaded; the message names the file and, if relevant, the tensor."""
+
+
+KEPT_SCALE_SUFFIX = ".weight_scale_inv"  # the canonical name of a kept-quantised weight's scale: <stem> + this
+# safetensors header dtype -> torch dtype, for the quantised weights and their scales
+_TORCH_DTYPES = {"F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "U8": torch.uint8, "I8": torch.int8,
+                 "F4": torch.float4_e2m1fn_x2, "F8_E8M0": torch.float8_e8m0fnu, "F32": torch.float32,
+                 "BF16": torch.bfloat16, "F16": torch.float16, "F64": torch.float64}
+
+
+@dataclass(frozen=True)
+class QuantInfo:
+    """How a checkpoint stores one quantised weight: `kind` "fp8" (block-scaled) or "mxfp4" (E2M1 packed two per
+    byte along the input dim, one scale per 32 inputs), the weight's and its scale's torch dtypes."""
+
+    kind: str
+    dtype: torch.dtype
+    scale_dtype: torch.dtype
 
 
 # --- discovery ------------------------------------------------------------------------------------------
@@ -337,6 +360,25 @@ def _check_unique(entries: dict[str, _Entry], scales: set[str], model_type: str)
         seen[canon] = name
 
 
+def quantized_weights(path: str | os.PathLike, model_type: str) -> dict[str, QuantInfo]:
+    """Canonical name -> QuantInfo of every quantised weight of the checkpoint at `path`, from the headers only
+    (the same discovery, pairing and naming checks as `iter_checkpoint`); empty for an unquantised checkpoint."""
+    files, _ = _discover(Path(path))
+    entries = _scan(files)
+    return {canonical_name(w, model_type): _quant_info(entries[w], entries[s])
+            for w, s in _pair_quantised(entries).items()}
+
+
+def _quant_info(weight: _Entry, scale: _Entry) -> QuantInfo:
+    kind = "fp8" if weight.dtype in _FP8_DTYPES else "mxfp4"
+    return QuantInfo(kind, _TORCH_DTYPES[weight.dtype], _TORCH_DTYPES.get(scale.dtype, torch.float32))
+
+
+def kept_scale_name(weight_name: str) -> str:
+    """`<stem>.weight_scale_inv` of a weight named `<stem>.weight`: how a kept weight's scale is yielded."""
+    return weight_name.removesuffix(".weight") + KEPT_SCALE_SUFFIX
+
+
 # --- streaming ------------------------------------------------------------------------------------------
 @dataclass
 class _Plan:
@@ -346,6 +388,7 @@ class _Plan:
     partner: dict[str, str]  # quantised weight <-> its scale, both directions
     weights: frozenset[str]  # the quantised weights (keys of `partner` that are not scales)
     read: dict[str, _Entry]  # the tensors to read: wanted ones and the scales of wanted quantised weights
+    keep: Callable[[str], bool] | None = None  # canonical weight name -> yield it raw with its scale
 
 
 def _plan(path: str | os.PathLike, model_type: str, block: tuple[int, int],
@@ -374,6 +417,7 @@ def _to_read(entries: dict[str, _Entry], pairs: dict[str, str], model_type: str,
 def iter_checkpoint(path: str | os.PathLike, model_type: str, block_size: tuple[int, int] | None = None,
                     progress: bool = False, wanted: Callable[[str], bool] | None = None,
                     ranges: Callable[[str, tuple[int, ...]], tuple[slice, ...] | None] | None = None,
+                    keep_quantized: Callable[[str], bool] | None = None,
                     ) -> Iterator[tuple[str, torch.Tensor, str]]:
     """Yield `(canonical_name, tensor, file_name)` for every tensor of the checkpoint at `path` whose
     canonical name `wanted` accepts (default: all).
@@ -388,11 +432,18 @@ def iter_checkpoint(path: str | os.PathLike, model_type: str, block_size: tuple[
     `ranges(canonical_name, full_shape)` may name the block of an unquantised tensor a sharded model stores
     (weights.tensor_ranges): only that block is read, and the tensor yielded carries `checkpoint_shape`, the
     full shape it was cut from (so it is not cut again). Quantised tensors are read whole.
+
+    `keep_quantized(canonical_name)` (default: none) picks quantised weights to keep as stored: such a weight is
+    yielded raw (float8 / packed int8-uint8-float4 codes), immediately followed by its scale, raw too, named
+    `kept_scale_name(name)`; the scale's shape (the `block_size` grid for FP8, [out, ceil(in / 32)] for FP4) and
+    finiteness are checked as dequantisation would. Other quantised weights are dequantised as above.
     """
     if model_type not in MODEL_TYPES:
         raise ValueError(f"unsupported model_type {model_type!r}; expected one of {MODEL_TYPES}")
     block = tuple(block_size) if block_size is not None else DEFAULT_BLOCK_SIZE
-    return _stream(_plan(path, model_type, block, wanted), progress, ranges)
+    plan = _plan(path, model_type, block, wanted)
+    plan.keep = keep_quantized
+    return _stream(plan, progress, ranges)
 
 
 def _stream(plan: _Plan, progress: bool, ranges=None) -> Iterator[tuple[str, torch.Tensor, str]]:
@@ -405,9 +456,9 @@ def _stream(plan: _Plan, progress: bool, ranges=None) -> Iterator[tuple[str, tor
         bar.set_postfix_str(file.name)
         for name, tensor in _read_shard(file, plan, ranges):
             bar.update(plan.read[name].nbytes)
-            item = _match(name, tensor, file, plan, pending) if name in plan.partner else (name, tensor, file)
-            if item is not None:
-                yield canonical_name(item[0], plan.model_type), item[1], item[2].name
+            plain = [(canonical_name(name, plan.model_type), tensor, file)]
+            for item in _match(name, tensor, file, plan, pending) if name in plan.partner else plain:
+                yield item[0], item[1], item[2].name
     bar.close()
     if pending:  # unreachable while the header pass is right; kept as the pairing invariant's guard
         name, (_, file) = next(iter(pending.items()))
@@ -442,16 +493,52 @@ def _get_tensor(handle, file: Path, name: str, block: tuple[slice, ...] | None =
 
 
 def _match(name: str, tensor: torch.Tensor, file: Path, plan: _Plan,
-           pending: dict[str, tuple[torch.Tensor, Path]]) -> tuple[str, torch.Tensor, Path] | None:
-    """Buffer the first half of a (weight, scale) pair; on the second, (weight name, float32 weight, file)."""
+           pending: dict[str, tuple[torch.Tensor, Path]]) -> list[tuple[str, torch.Tensor, Path]]:
+    """Buffer the first half of a (weight, scale) pair (nothing to yield); on the second, the items to yield
+    under canonical names: [(weight, float32 weight, file)], or for a kept weight [(weight, raw weight, its
+    file), (its kept scale name, raw scale, the scale's file)]."""
     partner = plan.partner[name]
     if partner not in pending:
         pending[name] = (tensor, file)
-        return None
+        return []
     other, other_file = pending.pop(partner)
     if name in plan.weights:
-        return name, _dequantize(name, tensor, partner, other, plan.block, file), file
-    return partner, _dequantize(partner, other, name, tensor, plan.block, other_file), other_file
+        return _pair_items(name, tensor, file, partner, other, other_file, plan)
+    return _pair_items(partner, other, other_file, name, tensor, file, plan)
+
+
+def _pair_items(weight_name: str, weight: torch.Tensor, weight_file: Path, scale_name: str, scale: torch.Tensor,
+                scale_file: Path, plan: _Plan) -> list[tuple[str, torch.Tensor, Path]]:
+    canon = canonical_name(weight_name, plan.model_type)
+    if plan.keep is None or not plan.keep(canon):
+        return [(canon, _dequantize(weight_name, weight, scale_name, scale, plan.block, weight_file), weight_file)]
+    _check_kept(weight_name, weight, scale_name, scale, plan.block, weight_file)
+    return [(canon, weight, weight_file), (kept_scale_name(canon), scale, scale_file)]
+
+
+def kept_scale_shape(shape: tuple[int, int], dtype: torch.dtype, block_size: tuple[int, int]) -> tuple[int, int]:
+    """The scale grid of a stored 2-D quantised weight: FP8 [ceil(out/bo), ceil(in/bi)]; packed FP4 [out, in/2]
+    (two codes a byte) has one scale per FP4_GROUP unpacked inputs, [out, ceil(2 * (in/2) / 32)]."""
+    rows, cols = shape
+    if dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        return math.ceil(rows / block_size[0]), math.ceil(cols / block_size[1])
+    return rows, math.ceil(2 * cols / FP4_GROUP)
+
+
+def _check_kept(weight_name: str, weight: torch.Tensor, scale_name: str, scale: torch.Tensor,
+                block_size: tuple[int, int], file: Path) -> None:
+    """The checks dequantisation makes (2-D weight, scale grid, finite scales), without dequantising."""
+    grid = kept_scale_shape(tuple(weight.shape), weight.dtype, block_size) if weight.dim() == 2 else None
+    if grid is None:
+        problem = f"quantised weight must be 2-D, got shape {tuple(weight.shape)}"
+    elif tuple(scale.shape) != grid:
+        problem = (f"scale shape {tuple(scale.shape)} does not match weight shape {tuple(weight.shape)} "
+                   f"({weight.dtype}, FP8 block {block_size}, FP4 group {FP4_GROUP}): expected {grid}")
+    elif not torch.isfinite(scale_to_float(scale)).all():
+        problem = "scale has non-finite entries"
+    else:
+        return
+    raise CheckpointError(f"{file}: {weight_name} with {scale_name}: {problem}")
 
 
 def _dequantize(weight_name: str, weight: torch.Tensor, scale_name: str, scale: torch.Tensor,

@@ -27,7 +27,8 @@ from deepinfer.layers.norm import RMSNorm
 from deepinfer.models.loader import CheckpointError
 
 MTP_SHARED_TENSORS = ("embed_tokens.weight", "shared_head.head.weight")
-_EXPERT = re.compile(r"^mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+_EXPERT = re.compile(r"^mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.(weight|weight_scale_inv)$")
+_STACKED = ("mlp.experts.w13", "mlp.experts.w2", "mlp.experts.w13_scale", "mlp.experts.w2_scale")
 _FUSED = {"mlp.experts.gate_up_proj": "mlp.experts.w13", "mlp.experts.down_proj": "mlp.experts.w2"}
 
 
@@ -50,12 +51,15 @@ class MLAMTPLayer(nn.Module):
 
     def load(self, tensors: dict[str, torch.Tensor], prefix: str) -> None:
         """Tensors named `{prefix}*` (HF names; per-expert or fused experts) as this rank stores them; every
-        parameter is required, and this rank's own experts (others' may be absent: the loader skips them)."""
+        parameter is required, and this rank's own experts (others' may be absent: the loader skips them), with
+        their scales when the experts are kept quantised (`...weight_scale_inv`)."""
         targets, experts = self._targets(), self._experts()
-        pending = set(targets) - {"mlp.experts.w13", "mlp.experts.w2"}
+        pending = set(targets) - set(_STACKED)
         count = 0 if experts is None else experts.num_experts
         own = range(0) if experts is None else experts.local
-        pending |= {f"mlp.experts.{e}.{p}.weight" for e in own for p in ("gate_proj", "up_proj", "down_proj")}
+        kinds = ("weight", "weight_scale_inv") if getattr(experts, "quant", None) else ("weight",)
+        pending |= {f"mlp.experts.{e}.{p}.{kind}" for e in own for p in ("gate_proj", "up_proj", "down_proj")
+                    for kind in kinds}
         for full, tensor in tensors.items():
             name = _FUSED.get(full[len(prefix):], full[len(prefix):])
             if name in MTP_SHARED_TENSORS or self._elsewhere(name, experts):
@@ -109,4 +113,6 @@ class MLAMTPLayer(nn.Module):
         e = int(m[1])
         if experts is None or e >= experts.num_experts:
             return None
+        if m[3] == "weight_scale_inv":
+            return experts.scale_slot(experts.local_index(e), HALF[m[2]]) if experts.quant else None
         return expert_slot(experts, experts.local_index(e), HALF[m[2]])

@@ -5,6 +5,9 @@ checkpoint tensor to the slice this rank stores; a stacked expert module may def
 (None: another rank holds it, the tensor is skipped) and ``shard_weight(tensor, half)``. So a rank copies only
 its own slices, one checkpoint tensor at a time. ``wanted_names(model)`` tells the loader, before it reads
 anything, which per-expert tensors the rank skips, so those are never read from disk nor dequantised.
+
+Kept-quantised experts (models/quantized.py): a per-expert scale ``<prefix>.experts.N.<leaf>.weight_scale_inv``
+goes into the stacked ``w13_scale`` / ``w2_scale`` exactly as its weight goes into ``w13`` / ``w2``.
 """
 
 from __future__ import annotations
@@ -19,6 +22,8 @@ from torch import nn
 EXPERT_LEAVES = {"w1": ("w13", 0), "w3": ("w13", 1), "w2": ("w2", None),
                  "gate_proj": ("w13", 0), "up_proj": ("w13", 1), "down_proj": ("w2", None)}
 _EXPERT = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<idx>\d+)\.(?P<leaf>\w+)\.weight$")
+_EXPERT_SCALE = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<idx>\d+)\.(?P<leaf>\w+)\.weight_scale_inv$")
+_STACKED = (".w13", ".w2", ".w13_scale", ".w2_scale")  # stacked expert tensors, filled expert by expert
 
 
 def wanted_names(model: nn.Module) -> Callable[[str], bool]:
@@ -84,10 +89,11 @@ def _target(model: nn.Module, params: dict[str, torch.Tensor], name: str,
             tensor: torch.Tensor) -> tuple[str, torch.Tensor, tuple, torch.Tensor | None]:
     """(parameter name, parameter, index into it, the tensor as this rank stores it or None to skip it) for a
     checkpoint tensor."""
-    m = _EXPERT.match(name)
+    scale = _EXPERT_SCALE.match(name)
+    m = scale or _EXPERT.match(name)
     if m and m["leaf"] in EXPERT_LEAVES:
         stacked, half = EXPERT_LEAVES[m["leaf"]]
-        pname = f"{m['prefix']}.{stacked}"
+        pname = f"{m['prefix']}.{stacked}{'_scale' if scale else ''}"
         if pname in params:
             return _expert_target(model.get_submodule(m["prefix"]), pname, params[pname], int(m["idx"]), half,
                                   tensor)
@@ -152,8 +158,8 @@ def _copy_all(model: nn.Module, params: dict, weights: Iterable[tuple[str, torch
 
 def _check_complete(model: nn.Module, params: dict, filled: dict[str, int]) -> None:
     missing = [n for n, p in params.items() if n not in filled and p.numel()]  # empty: e.g. a rank without experts
-    partial = [n for n, p in params.items() if n.endswith((".w13", ".w2")) and n in filled
-               and filled[n] < p.shape[0] * (2 if n.endswith(".w13") else 1)]
+    partial = [n for n, p in params.items() if n.endswith(_STACKED) and n in filled
+               and filled[n] < p.shape[0] * (2 if n.endswith((".w13", ".w13_scale")) else 1)]
     if missing or partial:
         shown = ", ".join((missing + partial)[:5])
         raise _checkpoint_error(f"checkpoint is missing {len(missing) + len(partial)} tensor(s) for "
