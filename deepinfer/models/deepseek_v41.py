@@ -27,7 +27,9 @@ from torch import nn
 
 from deepinfer.config import ModelConfig
 from deepinfer.distributed.model_parallel import ModelParallel
+from deepinfer.kernels import triton_enabled
 from deepinfer.layers.attention import blocked_sink_attention
+from deepinfer.layers.batch_invariant import batch_invariant_enabled
 from deepinfer.layers.metadata import CacheTensorSpec, ForwardMeta
 from deepinfer.layers.mx_quant import MXStore, block_scaled_linear, packed_shapes, qdq
 from deepinfer.layers.norm import RMSNorm
@@ -275,6 +277,8 @@ class Attention(nn.Module):
         return specs
 
     def forward(self, x: torch.Tensor, ctx: Step) -> torch.Tensor:
+        if self._use_kernel(x):
+            return self._kernel_forward(x, ctx, ctx, None)
         win_keys = self._window(x, ctx)
         if self.is_kv_source:
             self._publish(x, ctx)
@@ -283,6 +287,8 @@ class Attention(nn.Module):
     def forward_truncated(self, x: torch.Tensor, ctx: Step, late: Step, keep: torch.Tensor) -> torch.Tensor:
         """Prefill truncation's first layer: window KV and compressed KV of every row (later layers read them),
         attention of the kept rows only (in the `late` sub-step)."""
+        if self._use_kernel(x):
+            return self._kernel_forward(x, ctx, late, keep)
         win_keys = self._window(x, ctx)[keep]
         if self.is_kv_source:
             self._publish(x, ctx)
@@ -296,15 +302,52 @@ class Attention(nn.Module):
         ring.write(src.write_dst, stored, src.write_src)
         return keys
 
-    def _attend(self, x: torch.Tensor, ctx: Step, win_keys: torch.Tensor, columns: WindowColumns) -> torch.Tensor:
+    def _use_kernel(self, x: torch.Tensor) -> bool:
+        """The Triton path (kernels/sparse_attention_v41.py): CUDA with Triton, outside batch-invariant mode."""
+        return triton_enabled(x) and not batch_invariant_enabled()
+
+    def _kernel_forward(self, x: torch.Tensor, ctx: Step, late: Step, keep: torch.Tensor | None) -> torch.Tensor:
+        """forward (keep None, late = ctx) or forward_truncated on the kernel, which reads the window ring, this
+        step's new rows and the kv source's pool itself: the ring is written after the attention has read it."""
+        from deepinfer.kernels.sparse_attention_v41 import window_source
+
+        ring, src = MXStore(self.cache, "window", self.head_dim, "fp8"), ctx.window.source
+        stored, kv = ring.encode(rotate_tail_complex(self.kv_norm(self.wkv(x)), ctx.rot[self.rope]))
+        if self.is_kv_source:
+            self._publish(x, ctx)
+        columns = ctx.window if keep is None else subset_columns(ctx.window, keep)
+        out = self._attend(x if keep is None else x[keep], late, window_source(ring, src.ring_rows, kv, columns),
+                           columns)
+        ring.write(src.write_dst, stored, src.write_src)
+        return out
+
+    def _kernel_attention(self, x: torch.Tensor, qr: torch.Tensor, q: torch.Tensor, ctx: Step, window) -> torch.Tensor:
+        """blocked_sink_attention over pack_columns' columns, the keys read in the kernel (no [T, K, d] gather)."""
+        from deepinfer.kernels import sparse_attention_v41 as kernel
+
+        entries = None
+        if self.ratio:
+            pool, keys = self._pools(ctx)
+            if self.is_index_source:
+                ctx.picks[self.layer] = self.indexer.select(x, qr, ctx, keys, self.ratio, self.role)
+            picked, valid = ctx.picks[self.index_source]
+            entries = kernel.entry_source(pool, ctx.meta.block_table, ctx.meta.token_req,
+                                          ctx.meta.block_size // self.ratio, picked, valid)
+        return kernel.sparse_attention_v41(q, window, entries, self.attn_sink, self.head_dim**-0.5)
+
+    def _attend(self, x: torch.Tensor, ctx: Step, win_keys, columns: WindowColumns) -> torch.Tensor:
+        """win_keys: the gathered window keys [T, W, d] (torch path) or where they live (a V41Window: kernel)."""
         rot = ctx.rot[self.rope]
         qr = self.q_norm(self.wq_a(x))
         q = rotate_tail_complex(self.wq_b(qr).view(-1, self.n_heads, self.head_dim), rot)
-        comp_keys = comp_valid = None
-        if self.ratio:
-            comp_keys, comp_valid = self._compressed(x, qr, ctx)
-        keys, valid = pack_columns(win_keys, columns, comp_keys, comp_valid)
-        out = blocked_sink_attention(q, keys, valid, self.attn_sink, self.head_dim**-0.5)
+        if isinstance(win_keys, torch.Tensor):
+            comp_keys = comp_valid = None
+            if self.ratio:
+                comp_keys, comp_valid = self._compressed(x, qr, ctx)
+            keys, valid = pack_columns(win_keys, columns, comp_keys, comp_valid)
+            out = blocked_sink_attention(q, keys, valid, self.attn_sink, self.head_dim**-0.5)
+        else:
+            out = self._kernel_attention(x, qr, q, ctx, win_keys)
         out = rotate_tail_complex(out, rot, inverse=True)
         grouped = out.view(1, -1, self.groups, self.n_heads * self.head_dim // self.groups)  # [b, s, G, H d / G]
         grouped = torch.einsum("bsgd,grd->bsgr", grouped, self.wo_a.weight.view(self.groups, self.o_rank, -1))
