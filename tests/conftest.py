@@ -18,6 +18,7 @@ if not torch.cuda.is_available():  # Triton kernels run under the interpreter on
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 _LAUNCHERS = {"deepinfer.kernels.sparse_attention": ("sparse_attention",),
+              "deepinfer.kernels.sparse_attention_v41": ("sparse_attention_v41",),
               "deepinfer.kernels.mla_decode": ("mla_decode",),
               "deepinfer.kernels.indexer": ("indexer_scores", "select_topk", "indexer_topk"),
               "deepinfer.kernels.fused_moe": ("fused_moe",),
