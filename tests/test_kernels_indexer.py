@@ -2,12 +2,15 @@
 on CPU; the reference itself against the models' own selection (V4's Indexer.select over v4_plan's entries, V3.2's
 dsa.Indexer.select_decode)."""
 
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
 import torch
 
 pytest.importorskip("triton")
+
+from ragged_steps import ragged_step  # noqa: E402
 
 from deepinfer.kernels.indexer import (  # noqa: E402
     gather_entry_rows,
@@ -207,17 +210,10 @@ def test_empty_batch():
 
 
 def _v4_step(starts: list[int], news: list[int], block_size: int) -> ForwardMeta:
-    pos = [p for s, n in zip(starts, news) for p in range(s, s + n)]
-    req = [r for r, n in enumerate(news) for _ in range(n)]
-    qs = [0]
-    for n in news:
-        qs.append(qs[-1] + n)
     ends = [s + n for s, n in zip(starts, news)]
     table = _table([-(-e // block_size) * PER_BLOCK for e in ends], seed=7)  # PER_BLOCK entries per block
-    return ForwardMeta(input_ids=torch.zeros(len(pos), dtype=torch.long), positions=torch.tensor(pos),
-                       token_req=torch.tensor(req), block_table=table,
-                       state_slots=torch.arange(len(news)), logits_indices=torch.tensor(qs[1:]) - 1,
-                       query_start=qs, seq_starts=starts, seq_lens=ends, block_size=block_size)
+    meta = ragged_step(starts, news, block_size, table)
+    return replace(meta, state_slots=torch.arange(len(news)))
 
 
 def _v4_indexer() -> Indexer:

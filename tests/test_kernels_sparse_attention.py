@@ -6,6 +6,8 @@ import torch
 
 pytest.importorskip("triton")
 
+from ragged_steps import ragged_step  # noqa: E402
+
 from deepinfer.kernels.sparse_attention import (  # noqa: E402
     EntrySource,
     WindowSource,
@@ -21,24 +23,7 @@ HEADS, DIM, WINDOW, LOOKAHEAD, PER_BLOCK = 5, 16, 6, 2, 4
 
 
 def _step(starts: list[int], news: list[int], block_size: int = 16) -> ForwardMeta:
-    """A ragged step: request r has starts[r] computed tokens and news[r] new ones; shuffled state slots."""
-    pos = [p for s, n in zip(starts, news) for p in range(s, s + n)]
-    req = [r for r, n in enumerate(news) for _ in range(n)]
-    qs = [0]
-    for n in news:
-        qs.append(qs[-1] + n)
-    ends = [s + n for s, n in zip(starts, news)]
-    blocks = [-(-e // block_size) for e in ends]
-    ids = torch.randperm(sum(blocks) + 3, generator=torch.Generator().manual_seed(1)).tolist()  # holes
-    table, at = [], 0
-    for b in blocks:
-        table.append(ids[at:at + b] + [0] * (max(blocks) - b))
-        at += b
-    slots = torch.randperm(len(news) + 2, generator=torch.Generator().manual_seed(2))[:len(news)]
-    return ForwardMeta(input_ids=torch.zeros(len(pos), dtype=torch.long), positions=torch.tensor(pos),
-                       token_req=torch.tensor(req), block_table=torch.tensor(table), state_slots=slots,
-                       logits_indices=torch.tensor(qs[1:]) - 1, query_start=qs, seq_starts=starts, seq_lens=ends,
-                       block_size=block_size)
+    return ragged_step(starts, news, block_size)
 
 
 def _ring(meta: ForwardMeta, ring_len: int) -> torch.Tensor:

@@ -18,6 +18,7 @@ pytest.importorskip("triton")
 
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
+from ragged_steps import ragged_step  # noqa: E402
 from v41_golden import GOLDEN, golden_threads  # noqa: E402,F401  (autouse: the goldens' threads)
 
 import deepinfer.kernels.sparse_attention_v41 as kernels  # noqa: E402
@@ -49,25 +50,8 @@ def kernel_on_gpu(monkeypatch):
 
 # --- step fixtures ------------------------------------------------------------------------------------------------
 def _step(starts: list[int], news: list[int]) -> ForwardMeta:
-    """A ragged step: request r has starts[r] computed tokens and news[r] new ones; shuffled blocks (unused ones
-    are holes) and state slots."""
-    pos = [p for s, n in zip(starts, news) for p in range(s, s + n)]
-    req = [r for r, n in enumerate(news) for _ in range(n)]
-    qs = [0]
-    for n in news:
-        qs.append(qs[-1] + n)
-    ends = [s + n for s, n in zip(starts, news)]
-    blocks = [-(-e // BLOCK_SIZE) for e in ends]
-    ids = torch.randperm(sum(blocks) + 4, generator=torch.Generator().manual_seed(1)).tolist()
-    table, at = [], 0
-    for b in blocks:
-        table.append(ids[at:at + b] + [0] * (max(blocks) - b))
-        at += b
-    slots = torch.randperm(len(news) + 2, generator=torch.Generator().manual_seed(2))[:len(news)]
-    return ForwardMeta(input_ids=torch.zeros(len(pos), dtype=torch.long), positions=torch.tensor(pos),
-                       token_req=torch.tensor(req), block_table=torch.tensor(table), state_slots=slots,
-                       logits_indices=torch.tensor(qs[1:]) - 1, query_start=qs, seq_starts=starts, seq_lens=ends,
-                       block_size=BLOCK_SIZE)
+    """A ragged step; shuffled blocks (unused ones are holes) and state slots."""
+    return ragged_step(starts, news, BLOCK_SIZE, spare_blocks=4)
 
 
 def _stored(rows: int, filled: torch.Tensor, fmt: str, packed: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
