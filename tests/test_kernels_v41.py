@@ -223,21 +223,12 @@ def _greedy(name: str, options: dict) -> tuple[dict[str, list[int]], dict[str, l
     """Greedy tokens and each sampled row's log-probs by request for the golden prompts of config `name`."""
     import json
 
-    from deepinfer import LLM, SamplingParams
+    from test_v41 import _run
+
+    from deepinfer import LLM
 
     llm = LLM(str(GOLDEN / name), load_progress=False, enable_prefix_caching=False, block_size=16, **options)
-    captured, rows, tokens = [], {}, {}
-    compute = llm.engine.model.compute_logits
-    llm.engine.model.compute_logits = lambda h: captured.append(compute(h)) or captured[-1]
-    for i, p in enumerate(json.loads((GOLDEN / name / "golden.json").read_text())["prompts"]):
-        llm.engine.add_request(str(i), p, SamplingParams(temperature=0, max_tokens=STEPS, ignore_eos=True))
-    while llm.engine.has_unfinished:
-        for req in llm.engine.step():
-            tokens[req.request_id] = list(req.output_token_ids)
-        sampled = [s for s in llm.engine.last_scheduled.scheduled if s.samples]
-        for row, s in enumerate(sampled):
-            rows.setdefault(s.request.request_id, []).append(captured[-1][row].log_softmax(-1))
-    return tokens, rows
+    return _run(llm, json.loads((GOLDEN / name / "golden.json").read_text())["prompts"], STEPS)
 
 
 def _kernel_path(monkeypatch, launch) -> list[tuple[bool, bool]]:
