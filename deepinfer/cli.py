@@ -325,6 +325,10 @@ def _add_serve_parser(commands) -> None:
                           "by --router-policy (default: %(default)s)")
     sub.add_argument("--router-policy", choices=("cache_aware", "least_loaded", "round_robin"),
                      default="cache_aware", help="how --data-parallel-replicas routes (default: %(default)s)")
+    sub.add_argument("--tool-call-parser", default="auto", metavar="NAME",
+                     help="the tool-call format the model speaks: auto (from the checkpoint's chat template, else "
+                          "its model_type), deepseek_v3, deepseek_v31, deepseek_v32, deepseek_v4 or deepseek_v41 "
+                          "(default: %(default)s)")
     add_engine_args(sub)
     sub.set_defaults(handler=run_serve)
 

@@ -199,7 +199,9 @@ def test_add_special_tokens_leaves_token_id_prompts_alone(plain):
 # --- the OpenAPI document --------------------------------------------------------------------------
 OPERATIONS = [("POST", "/v1/chat/completions"), ("POST", "/v1/completions"), ("GET", "/v1/models"),
               ("GET", "/health"), ("GET", "/metrics"), ("POST", "/tokenize"), ("POST", "/detokenize"),
-              ("POST", "/reset_prefix_cache"), ("GET", "/version"), ("GET", "/router/state")]
+              ("POST", "/reset_prefix_cache"), ("GET", "/version"), ("GET", "/router/state"),
+              ("POST", "/v1/responses"), ("GET", "/v1/responses/{response_id}"),
+              ("DELETE", "/v1/responses/{response_id}"), ("POST", "/v1/messages")]
 CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance, response_schema_conformance,
           response_headers_conformance]
 EXAMPLES = 12
@@ -221,7 +223,7 @@ def test_openapi_documents_the_statuses_the_server_answers(document):
         responses = _responses(document, method, path)
         assert "422" not in responses, path  # validation errors are answered 400
         assert "schema" in responses["200"]["content"].get("application/json", {"schema": 0}), path
-    for path in ("/v1/chat/completions", "/v1/completions"):
+    for path in ("/v1/chat/completions", "/v1/completions", "/v1/responses"):
         assert {"200", "400", "401", "404", "413", "429", "500", "503"} <= set(_responses(document, "POST", path))
     assert "HTTPValidationError" not in document["components"]["schemas"]
     error = document["components"]["schemas"]["ErrorInfo"]
@@ -236,7 +238,7 @@ def test_openapi_declares_metrics_as_prometheus_text(document, plain):
 def _quick(case):
     """Caps the output length of a generated generation request (other fields stay as generated)."""
     if case.operation.path.startswith("/v1/") and isinstance(case.body, dict):
-        for key in ("max_tokens", "max_completion_tokens"):
+        for key in ("max_tokens", "max_completion_tokens", "max_output_tokens"):
             value = case.body.get(key)
             if not isinstance(value, int) or isinstance(value, bool) or value > MAX_TOKENS:
                 case.body[key] = MAX_TOKENS

@@ -1,10 +1,10 @@
 """The FastAPI application: routes, the request gate (API key, body size) and error handlers.
 
 Invariant: /v1/*, /tokenize, /detokenize and /reset_prefix_cache are reachable only with
-`Authorization: Bearer <key>` for one of the keys, when keys are set, and such a request carries its key's
-namespace in `request.state.tenant`; no request body larger than max_body_bytes reaches a route (413
-before any parsing); while the queue is full, a generation request gets its 429 before its body is
-parsed, templated or tokenised.
+`Authorization: Bearer <key>` (or Anthropic's `x-api-key: <key>`) for one of the keys, when keys are set,
+and such a request carries its key's namespace in `request.state.tenant`; no request body larger than
+max_body_bytes reaches a route (413 before any parsing); while the queue is full, a generation request gets
+its 429 (529 on /v1/messages) before its body is parsed, templated or tokenised.
 """
 
 from __future__ import annotations
@@ -19,9 +19,10 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from deepinfer import __version__
-from deepinfer.server import schemas
+from deepinfer.server import anthropic_api, schemas
 from deepinfer.server.errors import APIError, install_error_handlers
 from deepinfer.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from deepinfer.server.responses import add_routes as add_responses_routes
 from deepinfer.server.router_state import RouterStateView
 from deepinfer.server.serving import Serving
 
@@ -29,7 +30,8 @@ from deepinfer.server.serving import Serving
 # hashes of cached prompts). /health stays open for probes, /metrics for scrapers, /version (no model work) as a
 # documented choice.
 _GUARDED = ("/v1", "/tokenize", "/detokenize", "/reset_prefix_cache", "/router")
-_GENERATING = ("/v1/completions", "/v1/chat/completions")  # routes that need a queue slot
+_GENERATING = ("/v1/completions", "/v1/chat/completions", "/v1/responses",
+               anthropic_api.PATH)  # routes that need a queue slot
 
 
 def key_namespace(api_key: str) -> str:
@@ -45,6 +47,7 @@ class Gate:
     def __init__(self, app, api_keys: tuple[str, ...], max_body_bytes: int, admission=None):
         self.app, self.max_body_bytes, self.admission = app, max_body_bytes, admission
         self.tenants = {b"Bearer " + key.encode(): key_namespace(key) for key in api_keys}  # header -> namespace
+        self.x_api_keys = {key.encode(): key_namespace(key) for key in api_keys}  # Anthropic clients' x-api-key
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
@@ -55,7 +58,8 @@ class Gate:
         if error is None and self._queue_full(scope):
             error = self.admission.busy()
         if error is not None:
-            return await error.response()(scope, receive, send)
+            anthropic = scope["path"].startswith(anthropic_api.PATH)  # Anthropic's error body there
+            return await (anthropic_api.error_response(error) if anthropic else error.response())(scope, receive, send)
         await self.app(scope, _replay(body, receive), send)
 
     def _check_headers(self, scope) -> APIError | None:
@@ -63,7 +67,8 @@ class Gate:
         if self.tenants and scope["path"].startswith(_GUARDED):
             tenant = self._tenant(headers)
             if tenant is None:
-                return APIError(401, "missing or invalid API key: send `Authorization: Bearer <key>`",
+                return APIError(401, "missing or invalid API key: send `Authorization: Bearer <key>` (or "
+                                     "`x-api-key: <key>`)",
                                 headers={"WWW-Authenticate": "Bearer"})
             scope.setdefault("state", {})["tenant"] = tenant
         length = headers.get(b"content-length", b"")
@@ -75,6 +80,10 @@ class Gate:
         """The namespace of the key presented, or None; every key is compared, each in constant time."""
         given, found = headers.get(b"authorization", b""), None
         for expected, tenant in self.tenants.items():
+            if hmac.compare_digest(given, expected):
+                found = tenant
+        given = headers.get(b"x-api-key")
+        for expected, tenant in self.x_api_keys.items() if found is None and given is not None else ():
             if hmac.compare_digest(given, expected):
                 found = tenant
         return found
@@ -123,6 +132,7 @@ def build_app(serving: Serving, router_view: RouterStateView | None = None) -> F
     app.add_middleware(Gate, api_keys=serving.settings.api_keys, max_body_bytes=serving.settings.max_body_bytes,
                        admission=serving.admission)
     _add_openai_routes(app, serving)
+    anthropic_api.add_routes(app, serving)  # POST /v1/messages
     _add_service_routes(app, serving)
     if router_view is not None:
         _add_router_state_route(app, router_view)
@@ -138,6 +148,8 @@ def _add_openai_routes(app: FastAPI, serving: Serving) -> None:
     @app.post("/v1/completions", **schemas.route(schemas.CompletionResponse, *schemas.GENERATION_ERRORS, stream=True))
     async def completions(body: CompletionRequest, request: Request) -> Response:
         return await serving.completions(body, request)
+
+    add_responses_routes(app, serving)  # POST /v1/responses, GET / DELETE /v1/responses/{id}
 
     @app.get("/v1/models", **schemas.route(schemas.ModelList, 401, 500))
     async def models() -> dict:

@@ -34,6 +34,7 @@ from deepinfer.server.engine_client import AsyncEngineClient
 from deepinfer.server.metrics import Metrics
 from deepinfer.server.router_state import EventLog, RouterStateView
 from deepinfer.server.serving import ServerSettings, Serving
+from deepinfer.server.tool_formats import attach_format
 from deepinfer.tokenizer import TOKENIZER_FILE, Tokenizer
 
 logger = logging.getLogger("deepinfer")
@@ -90,6 +91,9 @@ def run_server(args: argparse.Namespace) -> int:
     options = engine_kwargs(args)
     EngineArgs.from_kwargs(**options)  # a bad option (e.g. --speculative-config) fails before anything starts
     tokenizer = load_tokenizer(Path(args.tokenizer) if args.tokenizer else path)
+    fmt = attach_format(tokenizer, getattr(args, "tool_call_parser", None), path)  # ValueError: unknown name
+    if fmt is not None:
+        logger.info("tool calls: %s format", fmt.name)
     with bind_socket(args.host, args.port) as sock:
         try:
             return asyncio.run(_serve(args, sock, str(path), options, settings, tokenizer))
@@ -111,10 +115,13 @@ def bind_socket(host: str, port: int) -> socket.socket:
 
 
 def load_tokenizer(directory: Path) -> Tokenizer | None:
+    """The directory's tokenizer, with the tool-call format its checkpoint speaks (server/tool_formats.py)."""
     if not (directory / TOKENIZER_FILE).is_file():
         logger.warning("no %s in the model directory: only token-id prompts can be served", TOKENIZER_FILE)
         return None
-    return Tokenizer.from_dir(directory)
+    tokenizer = Tokenizer.from_dir(directory)
+    attach_format(tokenizer, None, directory)
+    return tokenizer
 
 
 async def _serve(args, sock: socket.socket, model: str, engine_kwargs: dict, settings: ServerSettings,

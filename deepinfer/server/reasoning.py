@@ -4,6 +4,12 @@ With thinking on, the chat template ends the prompt with `<think>`; the model wr
 then `</think>`, then the answer. Without thinking the template ends the prompt with `</think>` and
 everything generated is content. A model may repeat the opening `<think>`; it is dropped.
 
+Every DeepSeek family uses these markers: V3 / R1 / V3.1 through their Jinja templates, V3.2 / V4 / V4.1
+through DeepSeek's encoders (server/tool_formats.py), whose prompts end with `<think>` after
+`<｜Assistant｜>` or, in V3.2, after a turn's tool results; V4.1 thinks unless `thinking` is false. Tool calls
+are parsed from the content only (after `</think>`). Where a tokenizer marks `<think>` / `</think>` special,
+chat outputs keep them in the text this split reads (tool_formats.output_decoder).
+
 Invariant (tested): for every way of cutting a text into deltas, the concatenated reasoning and
 content deltas of ReasoningStream equal split_reasoning(text) (None reads as "").
 """

@@ -43,7 +43,14 @@ from deepinfer.server.protocol import (
 )
 from deepinfer.server.reasoning import ReasoningStream, split_reasoning, thinking_enabled
 from deepinfer.server.structured import GrammarChecker, check_spec, request_spec
-from deepinfer.server.tools import ToolCallStream, ToolSetup, message_tool_calls, tool_setup
+from deepinfer.server.tool_formats import (
+    DSMLStream,
+    format_of,
+    output_decoder,
+    render_prompt,
+    uses_builtin_renderer,
+)
+from deepinfer.server.tools import ToolCallStream, ToolSetup, tool_setup
 from deepinfer.structured.params import StructuredOutputsParams
 
 logger = logging.getLogger("deepinfer")
@@ -162,18 +169,23 @@ def _check_text_only(messages: list) -> None:
 def chat_prompt(tokenizer, req: ChatCompletionRequest, tools: ToolSetup) -> str:
     """The prompt text of a chat request: its messages in the chat template, with its tools."""
     kwargs = {**(req.chat_template_kwargs or {}), **({"tools": tools.tools} if tools.active else {})}
-    return render_chat(tokenizer, req.messages, req.add_generation_prompt, kwargs)
+    return render_chat(tokenizer, req.messages, req.add_generation_prompt, kwargs, tools.format)
 
 
-def render_chat(tokenizer, messages: list, add_generation_prompt: bool, kwargs: dict | None) -> str:
-    """The chat template applied to `messages`; template and input problems are the client's (400)."""
+def render_chat(tokenizer, messages: list, add_generation_prompt: bool, kwargs: dict | None, fmt=None) -> str:
+    """The chat template applied to `messages`; template and input problems are the client's (400). DSML
+    checkpoints (V3.2, V4, V4.1) without a template for their format are rendered by DeepSeek's encoder
+    (server/tool_formats.py); `fmt`: the served tool format (default: the tokenizer's)."""
     if not messages:
         raise bad_request("messages must not be empty", param="messages")
     _check_text_only(messages)
     extra = {k: v for k, v in (kwargs or {}).items() if k not in _RESERVED_TEMPLATE_KWARGS}
+    dicts = [m.template_dict() for m in messages]
+    fmt = fmt if fmt is not None else format_of(tokenizer)
     try:
-        return tokenizer.apply_chat_template([m.template_dict() for m in messages], add_generation_prompt,
-                                             **extra)
+        if uses_builtin_renderer(fmt, tokenizer, dicts, extra):
+            return render_prompt(fmt, tokenizer, dicts, add_generation_prompt, extra)
+        return tokenizer.apply_chat_template(dicts, add_generation_prompt, **extra)
     except (jinja2.TemplateError, TypeError, ValueError, UnicodeError) as e:
         raise bad_request(f"the chat template could not be applied: {e}", param="messages") from None
 
@@ -196,7 +208,7 @@ class Choice:
     detok: IncrementalDetokenizer
     logprobs: list | None  # kept (ids, logprobs, rank) entries when logprobs were asked for
     reasoning: ReasoningStream | None = None  # streaming chat with thinking on
-    tools: ToolCallStream | None = None  # streaming chat with tools
+    tools: ToolCallStream | DSMLStream | None = None  # streaming chat with tools
     finish_reason: str | None = None
     stop_reason: int | str | None = None
 
@@ -327,6 +339,8 @@ class Job:
         self.kv_transfer: dict | None = None  # disaggregation: the request's kv_transfer_params
         self.kv_transfer_params: dict | None = None  # a prefill engine's answer for the decode engine
         self.tools = tools if tools is not None and tools.active else None  # parse outputs for tool calls
+        if self.tools is not None and self.tools.format is None:  # the served model's format
+            self.tools.format = format_of(serving.tokenizer)
         self.params, self.priority, self.stream = params, priority, stream
         self.created = int(time.time())
         self.timer = RequestTimer(serving.metrics)
@@ -335,9 +349,13 @@ class Job:
         self.choices = [c for g in self.generations for c in g.choices]
 
     def new_choice(self, index: int, prompt: Prompt) -> Choice:
-        detok = IncrementalDetokenizer(self.serving.decoder, prompt.token_ids, self.params)
+        decoder = self.serving.decoder
+        if self.serving.tokenizer is not None and (self.tools is not None or prompt.thinking):
+            fmt = self.tools.format if self.tools is not None else None
+            decoder = output_decoder(self.serving.tokenizer, fmt, self.tools is not None, prompt.thinking)
+        detok = IncrementalDetokenizer(decoder, prompt.token_ids, self.params)
         reasoning = ReasoningStream() if prompt.thinking and self.stream else None
-        tools = ToolCallStream() if self.tools is not None and self.stream else None
+        tools = self.tools.new_stream() if self.tools is not None and self.stream else None
         return Choice(index, detok, [] if self.params.logprobs is not None else None, reasoning, tools)
 
     async def updates(self) -> AsyncIterator[Update]:
@@ -568,19 +586,7 @@ class Serving:
 
     # --- chat ------------------------------------------------------------------------------------
     async def chat(self, req: ChatCompletionRequest, request: Request) -> Response:
-        self.check_request(req.model)
-        self._check_limits(req)
-        self.admission.precheck(1, req.n)  # before any templating or tokenising
-        tools = tool_setup(req)
-        text = await asyncio.to_thread(chat_prompt, self._require_tokenizer("chat"), req, tools)  # off the loop
-        prompt = Prompt(text, await self._tokens(text, req.add_special_tokens, param="messages"),
-                        thinking_enabled(text))
-        self._check_prompt(prompt.token_ids, req.output_limit)
-        params = await self._structured_params(req, req.output_limit, prompt.thinking, tools)
-        job = Job(self, f"chatcmpl-{uuid.uuid4().hex}", [prompt], params, req.priority, req.stream, tools,
-                  cache_salt=self.cache_salt(req, request))
-        job.kv_transfer = req.kv_transfer_params
-        return await self.respond(request, job, ChatShape(self, req))
+        return await self.chat_as(req, request, ChatShape(self, req), f"chatcmpl-{uuid.uuid4().hex}")
 
     # --- completions -----------------------------------------------------------------------------
     async def completions(self, req: CompletionRequest, request: Request) -> Response:
@@ -607,6 +613,8 @@ class Serving:
 
     async def _structured_params(self, req, max_tokens: int | None, thinking: bool,
                                  tools: ToolSetup) -> SamplingParams:
+        if tools.format is None:  # the served model's format
+            tools.format = format_of(self.tokenizer)
         try:
             forced = tools.constraint(self.tokenizer)
         except ValueError as e:
@@ -656,6 +664,25 @@ class Serving:
             text = self.tokenizer.decode([token_id], skip_special_tokens=False) if self.tokenizer else ""
             self._pieces[token_id] = text
         return self._pieces[token_id]
+
+    # --- chat answered in another API's shape ----------------------------------------------------
+    async def chat_as(self, req: ChatCompletionRequest, request: Request, shape: _Shape, request_id: str) -> Response:
+        """`chat`'s whole path (checks, tools, template, thinking, structured constraint, admission, abort on
+        disconnect) for a request another API was translated into, answered by `shape` (its `response` and
+        `events`): ChatShape for chat completions, server/anthropic_api.py's for messages."""
+        self.check_request(req.model)
+        self._check_limits(req)
+        self.admission.precheck(1, req.n)  # before any templating or tokenising
+        tools = tool_setup(req, format_of(self.tokenizer))
+        text = await asyncio.to_thread(chat_prompt, self._require_tokenizer("chat"), req, tools)  # off the loop
+        prompt = Prompt(text, await self._tokens(text, req.add_special_tokens, param="messages"),
+                        thinking_enabled(text))
+        self._check_prompt(prompt.token_ids, req.output_limit)
+        params = await self._structured_params(req, req.output_limit, prompt.thinking, tools)
+        job = Job(self, request_id, [prompt], params, req.priority, req.stream, tools,
+                  cache_salt=self.cache_salt(req, request))
+        job.kv_transfer = req.kv_transfer_params
+        return await self.respond(request, job, shape)
 
 
 # --- response shapes -----------------------------------------------------------------------------
@@ -715,7 +742,7 @@ class ChatShape(_Shape):
             message["reasoning_content"], message["content"] = split_reasoning(choice.detok.output_text)
         finish_reason = choice.finish_reason
         if job.tools is not None and message["content"] is not None:
-            message["content"], calls = message_tool_calls(message["content"])
+            message["content"], calls = job.tools.message(message["content"])
             if calls:
                 message["tool_calls"] = calls
                 finish_reason = "tool_calls" if finish_reason == "stop" else finish_reason

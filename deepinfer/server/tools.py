@@ -1,4 +1,5 @@
-"""Tool calling in DeepSeek's format (V3.1 chat template, and the bundled model's):
+"""Tool calling in DeepSeek's V3 / V3.1 format (V3.1 chat template, and the bundled model's); the newer DSML
+formats (V3.2, V4, V4.1) and the choice among them are in tool_formats.py:
 
     <｜tool▁calls▁begin｜><｜tool▁call▁begin｜>NAME<｜tool▁sep｜>ARGUMENTS-JSON<｜tool▁call▁end｜>...<｜tool▁calls▁end｜>
 
@@ -36,6 +37,7 @@ class ToolSetup:
     tools: list[dict[str, Any]]  # OpenAI function tools
     choice: str | dict[str, Any]  # auto | none | required | {"type": "function", "function": {"name": ...}}
     parallel: bool = True
+    format: Any = None  # the served tool format (server/tool_formats.py); None: this module's (V3.1's)
 
     @property
     def active(self) -> bool:
@@ -47,31 +49,54 @@ class ToolSetup:
         return self.active and self.choice != "auto"
 
     def constraint(self, tokenizer) -> dict[str, str] | None:
-        """`required` / a named function: a structural tag forcing the call format, with each function's
-        arguments following its parameter schema (at most one whitespace character between JSON tokens,
-        so a model cannot pad its way to max_tokens). Markers are matched as their single tokens, never
-        spelled out in text."""
+        """`required` / a named function: a structural tag forcing the served format's calls, with each
+        function's arguments following its parameter schema."""
         if not self.forced:
             return None
-        ids = {m: tokenizer.token_to_id(m) for m in (CALLS_BEGIN, CALLS_END, CALL_BEGIN, CALL_END, SEP)}
-        if None in ids.values():
-            raise ValueError("this model's tokenizer has no DeepSeek tool-call tokens")
-        token = lambda marker: {"type": "token", "token": ids[marker]}
-        named = self.choice["function"]["name"] if isinstance(self.choice, dict) else None
-        calls = [_call_format(t["function"], token) for t in self.tools if named in (None, t["function"]["name"])]
-        body = calls[0] if len(calls) == 1 else {"type": "or", "elements": calls}
-        if self.parallel and named is None:
-            body = {"type": "plus", "content": body}
-        tag = {"type": "structural_tag", "format": {"type": "sequence", "elements": [
-            token(CALLS_BEGIN), body, token(CALLS_END)]}}
-        return {"structural_tag": json.dumps(tag, ensure_ascii=False)}
+        if self.format is not None:
+            return self.format.constraint(self, tokenizer)
+        return markers_constraint(self, tokenizer)
+
+    def new_stream(self):
+        """A streaming parser of one choice's output."""
+        return self.format.stream() if self.format is not None else ToolCallStream()
+
+    def message(self, text: str) -> tuple[str | None, list[dict[str, Any]]]:
+        """A finished output's (content, OpenAI tool_calls)."""
+        return self.format.message(text) if self.format is not None else message_tool_calls(text)
 
 
-def _call_format(function: dict[str, Any], token) -> dict[str, Any]:
-    schema = function.get("parameters") or {"type": "object"}
+def markers_constraint(setup: ToolSetup, tokenizer, fenced: bool = False) -> dict[str, str] | None:
+    """The V3 / V3.1 forced-call structural tag: at most one whitespace character between JSON tokens, so a
+    model cannot pad its way to max_tokens; markers are matched as their single tokens, never spelled out
+    in text. `fenced`: V3 / R1's calls (`function<｜tool▁sep｜>NAME` and a ```json fence)."""
+    if not setup.forced:
+        return None
+    ids = {m: tokenizer.token_to_id(m) for m in (CALLS_BEGIN, CALLS_END, CALL_BEGIN, CALL_END, SEP)}
+    if None in ids.values():
+        raise ValueError("this model's tokenizer has no DeepSeek tool-call tokens")
+    token = lambda marker: {"type": "token", "token": ids[marker]}
+    named = setup.choice["function"]["name"] if isinstance(setup.choice, dict) else None
+    calls = [_call_format(t["function"], token, fenced) for t in setup.tools
+             if named in (None, t["function"]["name"])]
+    body = calls[0] if len(calls) == 1 else {"type": "or", "elements": calls}
+    if setup.parallel and named is None:
+        body = {"type": "plus", "content": body}
+    tag = {"type": "structural_tag", "format": {"type": "sequence", "elements": [
+        token(CALLS_BEGIN), body, token(CALLS_END)]}}
+    return {"structural_tag": json.dumps(tag, ensure_ascii=False)}
+
+
+def _call_format(function: dict[str, Any], token, fenced: bool = False) -> dict[str, Any]:
+    schema = {"type": "json_schema", "json_schema": function.get("parameters") or {"type": "object"},
+              "max_whitespace_cnt": 1}
+    if fenced:
+        return {"type": "sequence", "elements": [
+            token(CALL_BEGIN), {"type": "const_string", "value": "function"}, token(SEP),
+            {"type": "const_string", "value": function["name"] + "\n" + _FENCE_OPEN}, schema,
+            {"type": "const_string", "value": _FENCE_CLOSE}, token(CALL_END)]}
     return {"type": "sequence", "elements": [
-        token(CALL_BEGIN), {"type": "const_string", "value": function["name"]}, token(SEP),
-        {"type": "json_schema", "json_schema": schema, "max_whitespace_cnt": 1}, token(CALL_END)]}
+        token(CALL_BEGIN), {"type": "const_string", "value": function["name"]}, token(SEP), schema, token(CALL_END)]}
 
 
 def _check_tool(i: int, tool) -> dict[str, Any]:
@@ -121,12 +146,13 @@ def _choice_name(choice) -> str:
     return function["name"]
 
 
-def tool_setup(req) -> ToolSetup:
+def tool_setup(req, fmt=None) -> ToolSetup:
+    """The request's checked tools; `fmt`: the served tool format (None: V3.1's)."""
     tools = [_check_tool(i, t) for i, t in enumerate(req.tools or [])]
     names = [t["function"]["name"] for t in tools]
     if len(set(names)) != len(names):
         raise bad_request("tool function names must be unique", param="tools")
-    return ToolSetup(tools, _check_choice(req.tool_choice, names), req.parallel_tool_calls)
+    return ToolSetup(tools, _check_choice(req.tool_choice, names), req.parallel_tool_calls, fmt)
 
 
 # --- parsing -------------------------------------------------------------------------------------

@@ -30,13 +30,19 @@ def _vocab_type(tokenizer) -> xgr.VocabType:
     return xgr.VocabType.RAW
 
 
+# Special tokens that are part of text the model writes (DeepSeek V3.2+ mark ｜DSML｜, the prefix of every
+# tool-call tag, special): grammars spelling that text must be able to produce the token.
+MARKUP_SPECIAL_TOKENS = frozenset({"｜DSML｜"})
+
+
 def tokenizer_info(tokenizer, vocab_size: int, stop_token_ids: list[int]) -> xgr.TokenizerInfo:
-    """Token i of the model's vocabulary as xgrammar sees it. Special tokens other than the stop tokens,
-    and ids past the tokenizer's vocabulary (padding rows of the LM head), are encoded as "" so xgrammar
-    never allows them inside constrained text."""
+    """Token i of the model's vocabulary as xgrammar sees it. Special tokens other than the stop tokens and
+    MARKUP_SPECIAL_TOKENS, and ids past the tokenizer's vocabulary (padding rows of the LM head), are encoded
+    as "" so xgrammar never allows them inside constrained text."""
     encoded = [""] * vocab_size
     for token, i in tokenizer.inner.get_vocab(with_added_tokens=True).items():
-        if i < vocab_size and (i not in tokenizer.special_token_ids or i in stop_token_ids):
+        if i < vocab_size and (i not in tokenizer.special_token_ids or i in stop_token_ids
+                               or token in MARKUP_SPECIAL_TOKENS):
             encoded[i] = token
     return xgr.TokenizerInfo(encoded, _vocab_type(tokenizer), vocab_size=vocab_size,
                              stop_token_ids=list(stop_token_ids))
