@@ -53,6 +53,7 @@ class LLM:
         self.engine = build_engine(path, EngineArgs.from_kwargs(**engine_options))
         tok_dir = Path(tokenizer) if tokenizer else path
         self.tokenizer = Tokenizer.from_dir(tok_dir) if (tok_dir / "tokenizer.json").exists() else None
+        self.model_dir = path  # chat: a template-less DSML checkpoint's format comes from its model_type
         self.processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
 
@@ -98,10 +99,9 @@ class LLM:
              chat_template_kwargs: dict[str, Any] | None = None, add_generation_prompt: bool = True):
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         tok = self._require_tokenizer()
-        prompts = [{"prompt_token_ids": tok.apply_chat_template(c, add_generation_prompt, tokenize=True,
-                                                                **(chat_template_kwargs or {})),
-                    "prompt": tok.apply_chat_template(c, add_generation_prompt, **(chat_template_kwargs or {}))}
-                   for c in conversations]
+        texts = [chat_text(tok, self.model_dir, c, add_generation_prompt, chat_template_kwargs or {})
+                 for c in conversations]
+        prompts = [{"prompt_token_ids": tok.encode(t, add_special_tokens=False), "prompt": t} for t in texts]
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def stream(self, prompt: PromptType, params: SamplingParams | None = None) -> Iterator[str]:
@@ -180,3 +180,15 @@ class LLM:
                     bar.update(1)
         bar.close()
         return [done[i] for i in ids]
+
+
+def chat_text(tok: Tokenizer, model_dir: Path, messages: list[dict], add_generation_prompt: bool,
+              kwargs: dict[str, Any]) -> str:
+    """The chat template applied, or, for DSML checkpoints (V3.2 / V4 / V4.1) without a template for their
+    format, DeepSeek's encoder, as the server renders it (server/tool_formats.py)."""
+    from deepinfer.server.tool_formats import attach_format, render_prompt, uses_builtin_renderer
+
+    fmt = getattr(tok, "tool_format", None) or attach_format(tok, None, model_dir)
+    if uses_builtin_renderer(fmt, tok, messages, kwargs):
+        return render_prompt(fmt, tok, messages, add_generation_prompt, kwargs)
+    return tok.apply_chat_template(messages, add_generation_prompt, **kwargs)

@@ -97,6 +97,16 @@ def test_the_prompt_is_deepseeks_v4_encoding(server, ckpt):
         assert ids == tok.encode(want, add_special_tokens=False)
 
 
+def test_offline_chat_renders_like_the_server(ckpt):
+    """LLM.chat on the same template-less checkpoint: DeepSeek-V4's encoder too."""
+    from deepinfer import LLM, SamplingParams
+
+    llm = LLM(str(ckpt), load_progress=False, max_model_len=256, kv_cache_memory_bytes=16 * 2**20)
+    out = llm.chat([{"role": "user", "content": "hi"}], SamplingParams(max_tokens=1), use_tqdm=False)[0]
+    assert out.prompt == BOS + USER + "hi" + ASSISTANT + "</think>"
+    assert out.prompt_token_ids == llm.get_tokenizer().encode(out.prompt, add_special_tokens=False)
+
+
 @pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "add"}}])
 def test_forced_calls_come_back_as_tool_calls(client, choice):
     allowed = {"add"} if isinstance(choice, dict) else set(SCHEMAS)
