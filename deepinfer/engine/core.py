@@ -24,7 +24,7 @@ from deepinfer.models.weights import tensor_ranges, wanted_names
 from deepinfer.request import Request, RequestStatus
 from deepinfer.sampling_params import SamplingParams
 from deepinfer.spec import build_proposer
-from deepinfer.worker.cuda_graphs import build_graphs, use_cuda_graphs
+from deepinfer.worker.cuda_graphs import build_graphs, longest_position, use_cuda_graphs
 from deepinfer.worker.model_runner import CacheLayout, ModelRunner, available_memory_bytes, plan_cache
 
 logger = logging.getLogger("deepinfer")
@@ -48,7 +48,7 @@ def load_model(path: str | Path, config: ModelConfig, dtype: torch.dtype, device
                                        keep_quantized=keep))
     if hasattr(model, "attach_checkpoint"):
         model.attach_checkpoint(path)
-    return model.eval()
+    return model.eval().requires_grad_(False)  # inference only: no autograd state in any step or graph
 
 
 def _keep_quantized(model: torch.nn.Module, path: str | Path, config: ModelConfig, device: torch.device,
@@ -184,8 +184,10 @@ class EngineCore:
         self.model = load_model(model, self.model_config, self.dtype, self.device, args.load_progress)
         prepare_model(self.model, args)
         self.proposer = build_proposer(self.speculative, self.model, model)
+        graphed = use_cuda_graphs(self.model, args, self.device, self.proposer)
+        if graphed:  # before the KV budget is sized from free memory
+            self.model.grow_rope(longest_position(self.model, self.max_model_len))
         layout = plan_layout(self.model, args, self.max_model_len, self.device)
-        graphed = use_cuda_graphs(self.model, args, self.device)
         runner = ModelRunner(self.model, layout, self.device, args.deterministic, args.seed, self.proposer,
                              cache_specs(self.model, args, layout.block_size), scratch_rows=int(graphed))
         runner.replay_tokens = replay_tokens(self.model, args)

@@ -28,7 +28,12 @@ def interpreting() -> bool:
 
 def triton_enabled(t: torch.Tensor) -> bool:
     """Whether the Triton kernels serve tensors like `t` (CUDA, Triton present, not turned off)."""
-    return HAS_TRITON and t.is_cuda and os.environ.get("DEEPINFER_TRITON", "1") != "0"
+    return triton_on(t.device)
+
+
+def triton_on(device: torch.device) -> bool:
+    """Whether the Triton kernels serve tensors on `device` (CUDA, Triton present, DEEPINFER_TRITON not 0)."""
+    return HAS_TRITON and device.type == "cuda" and os.environ.get("DEEPINFER_TRITON", "1") != "0"
 
 
 def next_pow2(n: int) -> int:

@@ -127,7 +127,8 @@ if HAS_TRITON:
         if expert < 0:  # tail tile of the static capacity
             return
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        slots = tl.load(slots_ptr + offs_m)
+        slots = tl.load(slots_ptr + offs_m).to(tl.int64)  # slots * stride passes 2^31 at large batches
+        offs_m = offs_m.to(tl.int64)
         valid = slots < num_slots
         x_rows = x_ptr + (slots // TOPK) * stride_xm
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -160,7 +161,8 @@ if HAS_TRITON:
         if expert < 0:
             return
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        slots = tl.load(slots_ptr + offs_m)
+        slots = tl.load(slots_ptr + offs_m).to(tl.int64)  # slots * stride passes 2^31 at large batches
+        offs_m = offs_m.to(tl.int64)
         valid = slots < num_slots
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = offs_n < D

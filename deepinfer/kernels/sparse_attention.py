@@ -119,7 +119,7 @@ if HAS_TRITON:
         HAS_ENTRIES: tl.constexpr, HAS_IDS: tl.constexpr, HAS_SCALE: tl.constexpr,
         BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     ):
-        t = tl.program_id(0)
+        t = tl.program_id(0).to(tl.int64)  # t * H * d passes 2^31 in long prefill chunks
         heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
         dims = tl.arange(0, BLOCK_D)
         hmask, dmask = heads < num_heads, dims < head_dim

@@ -36,7 +36,14 @@ class RotaryTable:
     def __init__(self, rope: RopeConfig, max_position: int, device: torch.device | str = "cpu"):
         self.rope = rope
         self.inv_freq = inv_frequencies(rope).to(device)
+        self.frozen = False  # reserve()d: the tables never move again (CUDA graphs hold their addresses)
         self._build(max(max_position, 1))
+
+    def reserve(self, max_position: int) -> None:
+        """Cover positions < max_position now and never regrow (captured graphs read these tensors)."""
+        if max_position > self.cos.shape[0]:
+            self._build(max_position)
+        self.frozen = True
 
     def _build(self, n: int) -> None:
         freqs = torch.arange(n, dtype=torch.float32, device=self.inv_freq.device)[:, None] * self.inv_freq
@@ -46,6 +53,9 @@ class RotaryTable:
     def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """[N, dim // 2] cos and sin for each position."""
         if positions.numel() and int(positions.max()) >= self.cos.shape[0]:
+            if self.frozen:
+                raise RuntimeError(f"position {int(positions.max())} is past the reserved rope table "
+                                   f"({self.cos.shape[0]} rows)")
             self._build(2 * int(positions.max()) + 1)
         return self.cos[positions], self.sin[positions]
 

@@ -789,7 +789,8 @@ class DeepseekV3ForCausalLM(nn.Module):
                          return_mtp_input)
 
     def grow_rope(self, max_position: int) -> None:
-        self.rotary.lookup(torch.tensor([max_position - 1], device=self.rotary.cos.device))
+        """Reserve (and freeze) the rope table for positions < max_position."""
+        self.rotary.reserve(max_position)
 
     def _run(self, step: MLAStep, input_ids: torch.Tensor, return_mtp_input: bool):
         if not self._kv:

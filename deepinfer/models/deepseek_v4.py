@@ -594,8 +594,9 @@ class DeepseekV4ForCausalLM(nn.Module):
         return self._run(StaticStepContext(self, step, scratch_block), return_mtp_input)
 
     def grow_rope(self, max_position: int) -> None:
+        """Reserve (and freeze) the rope tables for positions < max_position."""
         for table in (self.rope_main, self.rope_compress):
-            table.lookup(torch.tensor([max_position - 1], device=table.cos.device))
+            table.reserve(max_position)
 
     def _run(self, ctx: StepContext, return_mtp_input: bool):
         x = self.embed(ctx.meta.input_ids)

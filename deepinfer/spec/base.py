@@ -46,6 +46,7 @@ class Proposer:
     (V4 final streams, V3 final hidden), "final" the final normed hidden states."""
 
     hidden_kind = ""
+    graph_safe = True  # False: needs module hooks during the target forward (never run by a graph replay)
 
     def propose(self, batch: ProposeBatch) -> dict[str, Draft]:
         raise NotImplementedError

@@ -23,6 +23,7 @@ def _parts(model: torch.nn.Module):
 
 class DSparkProposer(Proposer):
     hidden_kind = "final"
+    graph_safe = False  # the LayerTap's forward hooks capture the target layers' hidden states
 
     def __init__(self, model: torch.nn.Module, k: int, path: str | Path):
         param = next(model.parameters())

@@ -87,18 +87,21 @@ class StepGraphs:
         self.model, self.sizes, self.query_lens = model, sorted(sizes), tuple(query_lens)
         self.block_size, self.device, self.with_streams = block_size, device, with_streams
         self.scratch_block, self.scratch_slot = scratch_block, scratch_slot
-        longest = max_model_len + getattr(model, "num_lookahead_tokens", 0) + 1
+        longest = longest_position(model, max_model_len)
         self.max_blocks = -(-longest // block_size)
-        model.grow_rope(longest)
+        model.grow_rope(longest)  # frozen from here: the graphs read the tables' addresses
         self.cuda = device.type == "cuda"
         self.pool = torch.cuda.graph_pool_handle() if self.cuda else None
         self.graphs: dict[tuple[int, int], _Graph] = {}
 
-    def covers(self, query_start: Sequence[int], block_table_width: int) -> bool:
-        n = len(query_start) - 1
-        q = uniform_query_len(query_start)
-        return (q in self.query_lens and pick_size(n, self.sizes) is not None
-                and block_table_width <= self.max_blocks)
+    def covers(self, meta) -> bool:
+        """Uniform q-token steps within the sizes and block-table width, writing every new position (a step
+        that must leave shared prefix entries untouched, paged_write_from > seq_starts, runs eagerly: the
+        static step writes from seq_starts)."""
+        q = uniform_query_len(meta.query_start)
+        writes_all = meta.paged_write_from is None or list(meta.paged_write_from) == list(meta.seq_starts)
+        return (q in self.query_lens and pick_size(meta.num_reqs, self.sizes) is not None
+                and meta.block_table.shape[1] <= self.max_blocks and writes_all)
 
     def run(self, meta) -> tuple[torch.Tensor, ...]:
         """(hidden,) or (hidden, streams) of a covered step's rows."""
@@ -109,12 +112,18 @@ class StepGraphs:
         graph.replay()
         return tuple(t[:meta.num_tokens] for t in graph.out)
 
+    @torch.inference_mode()
     def capture_all(self, progress: bool = True) -> None:
         """Capture every (size, q) now (start-up), largest first so smaller ones reuse its memory pool."""
         keys = [(s, q) for q in self.query_lens for s in reversed(self.sizes)]
+        before = torch.cuda.memory_reserved(self.device) if self.cuda else 0
         for size, q in tqdm(keys, desc="Capturing CUDA graphs", disable=not progress):
             self._graph(size, q)
+        if self.cuda:  # the pool comes out of the headroom gpu_memory_utilization leaves
+            logger.info("CUDA graphs: %d captured, %.2f GiB of graph memory", len(keys),
+                        (torch.cuda.memory_reserved(self.device) - before) / 2**30)
 
+    @torch.inference_mode()  # no autograd state in the graph: outputs without grad_fn, caches written in place
     def _graph(self, size: int, q: int) -> _Graph:
         if (size, q) not in self.graphs:
             step = StaticStep.empty(size, q, self.max_blocks, self.block_size, self.scratch_slot,
@@ -131,19 +140,26 @@ class StepGraphs:
         return fn
 
 
+def longest_position(model: torch.nn.Module, max_model_len: int) -> int:
+    """One past the largest position a captured step may see (max_model_len plus the drafts' lookahead)."""
+    return max_model_len + getattr(model, "num_lookahead_tokens", 0) + 1
+
+
 def supports_graphs(model: torch.nn.Module) -> bool:
     """Models with a fixed-shape forward, in one process (collectives are not captured yet)."""
     parallel = getattr(model, "parallel", None)
     return hasattr(model, "forward_static") and (parallel is None or parallel.is_single)
 
 
-def use_cuda_graphs(model: torch.nn.Module, args, device: torch.device) -> bool:
+def use_cuda_graphs(model: torch.nn.Module, args, device: torch.device, proposer=None) -> bool:
     """EngineArgs' decision: CUDA, not --enforce-eager, not deterministic mode (its own kernels), not two-batch
-    overlap, a model with a fixed-shape forward, and the Triton kernels that forward runs on."""
-    from deepinfer.kernels import HAS_TRITON
+    overlap, a model with a fixed-shape forward, the Triton kernels that forward runs on (installed and not
+    turned off by DEEPINFER_TRITON=0), and no proposer that hooks the forward (hooks do not run on replay)."""
+    from deepinfer import kernels
 
     return (device.type == "cuda" and not args.enforce_eager and not args.deterministic
-            and not args.two_batch_overlap and HAS_TRITON and supports_graphs(model))
+            and not args.two_batch_overlap and kernels.triton_on(device)
+            and supports_graphs(model) and getattr(proposer, "graph_safe", True))
 
 
 def build_graphs(runner, args, max_model_len: int) -> StepGraphs:

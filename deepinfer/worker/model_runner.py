@@ -134,7 +134,7 @@ class ModelRunner:
     def _graphed(self, meta: ForwardMeta) -> bool:
         """Whether this step replays a CUDA graph (decode / verify steps they cover; never two-batch overlap)."""
         return (self.graphs is not None and self.forward is self.model
-                and self.graphs.covers(meta.query_start, meta.block_table.shape[1]))
+                and self.graphs.covers(meta))
 
     def _prepare(self, scheduled: list[ScheduledRequest]):
         ids, positions, token_req, qstart = [], [], [], [0]
