@@ -54,7 +54,9 @@ def _flag(name: str) -> str:
 
 
 def _value_type(f: dataclasses.Field, hints: Mapping[str, typing.Any]) -> type:
-    """The default's type; for a None default (Optional[X]) the first non-None member X."""
+    """The default's type (a factory's value's); for a None default (Optional[X]) the first non-None member X."""
+    if f.default is dataclasses.MISSING:
+        return type(f.default_factory())
     if f.default is not None:
         return type(f.default)
     return next(a for a in typing.get_args(hints[f.name]) if a is not type(None))
@@ -71,7 +73,8 @@ def add_engine_args(parser: argparse.ArgumentParser, rename: Mapping[str, str] |
 
 
 def _add_engine_flag(group, f: dataclasses.Field, kind: type, name: str) -> None:
-    common = dict(dest=ENGINE_DEST_PREFIX + f.name, default=f.default, help=f"EngineArgs.{f.name}")
+    default = f.default_factory() if f.default is dataclasses.MISSING else f.default  # factories read the env
+    common = dict(dest=ENGINE_DEST_PREFIX + f.name, default=default, help=f"EngineArgs.{f.name}")
     if kind is bool:
         group.add_argument(_flag(name), action=argparse.BooleanOptionalAction, **common)
     else:
@@ -271,6 +274,9 @@ def _add_common(sub: argparse.ArgumentParser) -> None:
     add_sampling_args(sub)
     # --seed is the per-request sampling seed here, so the engine's global seed is --engine-seed
     add_engine_args(sub, rename={"seed": "engine_seed"})
+    # one prompt or one person typing never repays compiling the decode step (a minute on CPU at start-up):
+    # generate and chat run eagerly unless --no-enforce-eager; serve and LLM compile by default
+    sub.set_defaults(**{ENGINE_DEST_PREFIX + "enforce_eager": True})
 
 
 def _add_generate_parser(commands) -> None:

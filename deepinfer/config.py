@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import math
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -404,18 +406,37 @@ def model_dtype(dtype: str | torch.dtype, config: ModelConfig, device: str = "cp
 
 
 def resolve_dtype(dtype: str | torch.dtype, hf_dtype: str = "bfloat16", device: str = "cpu") -> torch.dtype:
-    """`auto` keeps the checkpoint dtype on CUDA and uses float32 on CPUs (no native bf16 GEMM)."""
+    """`auto` keeps the checkpoint dtype on CUDA; on a CPU it keeps a bfloat16 checkpoint in bfloat16 where the
+    CPU has native bf16 GEMMs (AVX512-BF16 / AMX, cpu_has_native_bf16) and uses float32 otherwise (float32 is
+    still the parity reference: tests and benchmarks pass dtype="float32" to compare)."""
     if isinstance(dtype, torch.dtype):
         return dtype
     names = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
              "float16": torch.float16, "half": torch.float16}
     if dtype == "auto":
         if device == "cpu":
-            return torch.float32
+            native = names.get(hf_dtype) is torch.bfloat16 and cpu_bf16_by_default()
+            return torch.bfloat16 if native else torch.float32
         return names.get(hf_dtype, torch.bfloat16)
     if dtype not in names:
         raise ValueError(f"dtype must be auto|float32|bfloat16|float16, got {dtype!r}")
     return names[dtype]
+
+
+def cpu_bf16_by_default() -> bool:
+    """Whether `auto` picks bfloat16 on this CPU: native bf16 and DEEPINFER_CPU_BF16 not 0."""
+    return os.environ.get("DEEPINFER_CPU_BF16", "1") != "0" and cpu_has_native_bf16()
+
+
+@functools.cache
+def cpu_has_native_bf16(cpuinfo: str = "/proc/cpuinfo") -> bool:
+    """AVX512-BF16 or AMX-BF16 among the CPU's flags (Linux; False where /proc/cpuinfo is absent)."""
+    try:
+        text = Path(cpuinfo).read_text()
+    except OSError:
+        return False
+    flags = next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), [])
+    return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
 @dataclass(frozen=True)
@@ -559,8 +580,9 @@ class EngineArgs:
     deterministic: bool = False
     # CUDA graphs (worker/cuda_graphs.py): decode and verify steps of up to max_cuda_graph_batch_size requests
     # are replayed from graphs captured at start-up (CUDA, one process, models with a fixed-shape forward).
-    # enforce_eager: never capture; every step runs eagerly.
-    enforce_eager: bool = False
+    # Off CUDA the same fixed-shape steps are compiled by torch.compile (worker/compiled_step.py) instead.
+    # enforce_eager: never capture or compile; every step runs eagerly (default: DEEPINFER_ENFORCE_EAGER=1).
+    enforce_eager: bool = field(default_factory=lambda: os.environ.get("DEEPINFER_ENFORCE_EAGER", "0") == "1")
     max_cuda_graph_batch_size: int = 256
     grammar_compile_timeout_s: float = 30.0  # a structured-output grammar that takes longer fails its request
     # budget-aware structured outputs: once the remaining max_tokens / context is within this many tokens of

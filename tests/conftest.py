@@ -14,6 +14,14 @@ import os
 import pytest
 import torch
 
+# Engines in tests run eagerly unless a test asks otherwise (enforce_eager=False): compiling a decode step
+# costs a minute per model on CPU, and tests/test_compiled_step.py checks the compiled path against eager.
+# Set before any engine is built, so server and worker processes the tests start inherit it.
+os.environ.setdefault("DEEPINFER_ENFORCE_EAGER", "1")
+# dtype="auto" means float32 in tests on every CPU (the suite's tolerances are float32's; where the CPU has
+# native bf16, auto would otherwise pick bfloat16 for bf16 checkpoints). tests/test_config.py checks the rule.
+os.environ.setdefault("DEEPINFER_CPU_BF16", "0")
+
 if not torch.cuda.is_available():  # Triton kernels run under the interpreter on CPU machines
     os.environ.setdefault("TRITON_INTERPRET", "1")
 

@@ -53,6 +53,16 @@ def test_engine_flags_round_trip():
     assert (kwargs["seed"], kwargs["dtype"], kwargs["gpu_memory_utilization"]) == (3, "float32", 0.5)
 
 
+def test_generate_and_chat_run_eagerly_unless_asked(monkeypatch):
+    """One-shot and interactive commands skip the compile; serve keeps EngineArgs' default (the env's)."""
+    monkeypatch.setenv("DEEPINFER_ENFORCE_EAGER", "0")
+    parser = cli.build_parser()
+    for command in (["generate", "x"], ["chat"]):
+        assert cli.engine_kwargs(parser.parse_args(command))["enforce_eager"] is True
+        assert cli.engine_kwargs(parser.parse_args([*command, "--no-enforce-eager"]))["enforce_eager"] is False
+    assert cli.engine_kwargs(parser.parse_args(["serve"]))["enforce_eager"] is False
+
+
 def test_sampling_flags():
     parser = cli.argparse.ArgumentParser()
     cli.add_sampling_args(parser)

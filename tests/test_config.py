@@ -73,14 +73,36 @@ def test_config_is_frozen():
         cfg.hidden_size = 3
 
 
-def test_dtype_auto_is_float32_on_cpu_and_checkpoint_dtype_on_cuda():
+def test_dtype_auto_is_bf16_on_cpus_with_native_bf16_and_checkpoint_dtype_on_cuda(monkeypatch, tmp_path):
     import torch
 
+    from deepinfer import config
+
+    monkeypatch.setattr(config, "cpu_has_native_bf16", lambda: True)
+    monkeypatch.setenv("DEEPINFER_CPU_BF16", "1")
+    assert resolve_dtype("auto", "bfloat16", "cpu") == torch.bfloat16
+    assert resolve_dtype("auto", "float32", "cpu") == torch.float32  # a float32 checkpoint stays float32
+    assert resolve_dtype("auto", "float16", "cpu") == torch.float32
+    monkeypatch.setenv("DEEPINFER_CPU_BF16", "0")
+    assert resolve_dtype("auto", "bfloat16", "cpu") == torch.float32
+    monkeypatch.setenv("DEEPINFER_CPU_BF16", "1")
+    monkeypatch.setattr(config, "cpu_has_native_bf16", lambda: False)
     assert resolve_dtype("auto", "bfloat16", "cpu") == torch.float32
     assert resolve_dtype("auto", "bfloat16", "cuda") == torch.bfloat16
     assert resolve_dtype("float16") == torch.float16
     with pytest.raises(ValueError, match="dtype"):
         resolve_dtype("fp8")
+
+
+def test_native_bf16_is_read_from_the_cpu_flags(tmp_path):
+    from deepinfer.config import cpu_has_native_bf16
+
+    info = tmp_path / "cpuinfo"
+    info.write_text("processor\t: 0\nflags\t\t: fpu avx512f avx512_bf16 sse\n")
+    assert cpu_has_native_bf16(str(info))
+    info.write_text("processor\t: 0\nflags\t\t: fpu avx512f avx512_vnni\n")
+    assert not cpu_has_native_bf16.__wrapped__(str(info))
+    assert not cpu_has_native_bf16(str(tmp_path / "absent"))
 
 
 def test_engine_args_reject_unknown_options():

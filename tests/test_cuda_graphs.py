@@ -50,7 +50,7 @@ def _prompts(repeat: bool) -> list[list[int]]:
 
 def _generate(ckpt, repeat: bool = False, **options) -> tuple[list[list[int]], list[int]]:
     """Greedy outputs of a few prompts, and the tokens per request of each step that replayed a graph."""
-    llm = LLM(str(ckpt), **{**OPTIONS, **options})
+    llm = LLM(str(ckpt), **{**OPTIONS, "enforce_eager": False, **options})
     graphs = llm.engine.runner.graphs
     replays = []
     if graphs is not None:
@@ -111,12 +111,13 @@ def test_graphs_are_declined_without_the_kernels_or_with_a_hooking_proposer(monk
 
     monkeypatch.setattr(kernels, "HAS_TRITON", True)
     model, cuda = _StaticModel(), torch.device("cuda")
-    assert cuda_graphs.use_cuda_graphs(model, EngineArgs(), cuda)
-    assert not cuda_graphs.use_cuda_graphs(model, EngineArgs(), torch.device("cpu"))
+    assert cuda_graphs.use_cuda_graphs(model, EngineArgs(enforce_eager=False), cuda)
+    assert not cuda_graphs.use_cuda_graphs(model, EngineArgs(enforce_eager=False), torch.device("cpu"))
     assert not cuda_graphs.use_cuda_graphs(model, EngineArgs(enforce_eager=True), cuda)
-    assert not cuda_graphs.use_cuda_graphs(model, EngineArgs(), cuda, DSparkProposer.__new__(DSparkProposer))
+    dspark = DSparkProposer.__new__(DSparkProposer)
+    assert not cuda_graphs.use_cuda_graphs(model, EngineArgs(enforce_eager=False), cuda, dspark)
     monkeypatch.setenv("DEEPINFER_TRITON", "0")
-    assert not cuda_graphs.use_cuda_graphs(model, EngineArgs(), cuda)
+    assert not cuda_graphs.use_cuda_graphs(model, EngineArgs(enforce_eager=False), cuda)
 
 
 def _meta(seq_starts, write_from, q=1, width=2):

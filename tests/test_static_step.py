@@ -1,5 +1,6 @@
 """Fixed-shape steps (what CUDA graphs replay) against the ordinary forward: same rows, same cache state,
-padding rows confined to the scratch block and slot. The Triton kernels run under the interpreter."""
+padding rows confined to the scratch block and slot. Each runs on the Triton kernels (the interpreter on CPU)
+and on their torch references (what torch.compile traces off CUDA, worker/compiled_step.py)."""
 
 import pytest
 import torch
@@ -41,11 +42,20 @@ def _padded(meta: ForwardMeta, batch: int) -> StaticStep:
     return static
 
 
+PATHS = ["triton", "torch"]
+
+
+def _use(path: str, monkeypatch) -> None:
+    if path == "triton":
+        _force_kernels(monkeypatch)
+
+
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("per_step", [1, pytest.param(2, marks=pytest.mark.slow)])
-def test_v4_static_step_matches_forward(monkeypatch, per_step):
+def test_v4_static_step_matches_forward(monkeypatch, per_step, path):
     """Decode (1 token) and verify-like (2 tokens) steps, padded from 2 requests to 4 rows."""
     model = _v4()
-    _force_kernels(monkeypatch)
+    _use(path, monkeypatch)
     g = torch.Generator().manual_seed(4)
     seqs = [torch.randint(3, 512, (60,), generator=g).tolist() for _ in range(2)]
     tables, slots = [[3, 7, 1, 9], [5, 0, 11, 2]], [2, 0]
@@ -69,16 +79,17 @@ def test_v4_static_step_matches_forward(monkeypatch, per_step):
         torch.testing.assert_close(static[name][:rows], tensor[:rows], rtol=1e-4, atol=1e-5, msg=name)
 
 
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("kind,per_step", [("v3", 1), pytest.param("v32", 1, marks=pytest.mark.slow),
                                            pytest.param("v3", 2, marks=pytest.mark.slow)])
-def test_mla_static_step_matches_forward(monkeypatch, kind, per_step):
+def test_mla_static_step_matches_forward(monkeypatch, kind, per_step, path):
     """MLA decode (V3), with the DSA indexer (V3.2), and a 2-token step (each token an absorbed query where
     the ordinary forward expands a prefill chunk: equal within float32 rounding)."""
     from paged_mla import BLOCK as MLA_BLOCK
     from test_kernels_models import _mla
 
     model = _mla(kind)
-    _force_kernels(monkeypatch)
+    _use(path, monkeypatch)
     model.grow_rope(64)
     specs = model.kv_cache_spec(MLA_BLOCK)
     g = torch.Generator().manual_seed(4)

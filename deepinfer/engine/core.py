@@ -24,6 +24,7 @@ from deepinfer.models.weights import tensor_ranges, wanted_names
 from deepinfer.request import Request, RequestStatus
 from deepinfer.sampling_params import SamplingParams
 from deepinfer.spec import build_proposer
+from deepinfer.worker.compiled_step import build_compiled, use_compiled_steps
 from deepinfer.worker.cuda_graphs import build_graphs, longest_position, use_cuda_graphs
 from deepinfer.worker.model_runner import CacheLayout, ModelRunner, available_memory_bytes, plan_cache
 
@@ -185,14 +186,15 @@ class EngineCore:
         prepare_model(self.model, args)
         self.proposer = build_proposer(self.speculative, self.model, model)
         graphed = use_cuda_graphs(self.model, args, self.device, self.proposer)
-        if graphed:  # before the KV budget is sized from free memory
+        compiled = use_compiled_steps(self.model, args, self.device, self.proposer)
+        if graphed or compiled:  # before the KV budget is sized from free memory
             self.model.grow_rope(longest_position(self.model, self.max_model_len))
         layout = plan_layout(self.model, args, self.max_model_len, self.device)
         runner = ModelRunner(self.model, layout, self.device, args.deterministic, args.seed, self.proposer,
-                             cache_specs(self.model, args, layout.block_size), scratch_rows=int(graphed))
+                             cache_specs(self.model, args, layout.block_size), scratch_rows=int(graphed or compiled))
         runner.replay_tokens = replay_tokens(self.model, args)
-        if graphed:
-            runner.graphs = build_graphs(runner, args, self.max_model_len)
+        if graphed or compiled:
+            runner.graphs = (build_graphs if graphed else build_compiled)(runner, args, self.max_model_len)
             runner.graphs.capture_all(args.load_progress)
         return runner
 

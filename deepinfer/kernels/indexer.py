@@ -161,8 +161,8 @@ def _need_triton(name: str) -> None:
 
 def _num_entries(visible: torch.Tensor, cap: int, max_entries: int | None) -> int:
     """Score columns: max_entries, else the largest visible count (at least 1, at most cap); syncs then."""
-    if max_entries is not None:
-        return max(int(max_entries), 1)
+    if max_entries is not None:  # may be symbolic (a compiled step's table width): no int(), no guard
+        return max_entries
     top = int(visible.max()) if visible.numel() else 0
     return max(min(top, cap), 1)
 
@@ -259,15 +259,16 @@ def indexer_scores_reference(q: torch.Tensor, weights: torch.Tensor, keys_pool: 
 
 def select_topk_reference(scores: torch.Tensor, visible: torch.Tensor,
                           topk: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """select_topk in torch: stable descending sort, the first min(topk, E), valid ones ascending, -1 padded."""
-    t, n_cols = scores.shape
-    valid = torch.arange(n_cols, device=scores.device)[None, :] < visible.long().clamp(min=0)[:, None]
-    ranked = scores.float().masked_fill(~valid, float("-inf"))
-    order = torch.sort(ranked, dim=1, descending=True, stable=True).indices[:, :min(topk, n_cols)]
-    chosen = torch.where(valid.gather(1, order), order, n_cols)
-    chosen = torch.sort(chosen, dim=1).values
-    out = torch.full((t, topk), -1, dtype=torch.int64, device=scores.device)
-    out[:, :chosen.shape[1]] = chosen.masked_fill(chosen == n_cols, -1)
+    """select_topk in torch: stable descending sort, the first min(topk, E), valid ones ascending, -1 padded.
+    The scores are padded by topk invalid columns first, so the output is [T, topk] without a min() over the
+    column count (a compiled step's width is symbolic: no guard, no recompile as tables grow)."""
+    width = scores.shape[1] + topk
+    cols = torch.arange(width, device=scores.device)[None, :]
+    valid = cols < visible.long().clamp(min=0, max=scores.shape[1])[:, None]
+    ranked = torch.nn.functional.pad(scores.float(), (0, topk)).masked_fill(~valid, float("-inf"))
+    order = torch.sort(ranked, dim=1, descending=True, stable=True).indices[:, :topk]
+    chosen = torch.sort(torch.where(valid.gather(1, order), order, width), dim=1).values
+    out = chosen.masked_fill(chosen == width, -1)
     return out, out >= 0
 
 

@@ -70,7 +70,7 @@ def _window_keys_reference(w: WindowSource) -> tuple[torch.Tensor, torch.Tensor]
 def _entry_ids(e: EntrySource) -> torch.Tensor:
     if e.entry_ids is not None:
         return e.entry_ids
-    n = max(int(e.visible.max()) if e.visible.numel() else 0, 1)
+    n = e.block_table.shape[1] * e.per_block  # every entry the table can name: a shape from no data
     ids = torch.arange(n, device=e.pool.device)[None, :].expand(e.visible.numel(), -1)
     return torch.where(ids < e.visible[:, None], ids, -1)
 

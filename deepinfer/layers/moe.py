@@ -65,6 +65,8 @@ def routed_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.
         from deepinfer.kernels.fused_moe import fused_moe
 
         return fused_moe(x, topk_ids, topk_weights, w13, w2, limit)
+    if torch.compiler.is_compiling():  # a compiled step: no host sync (the expert counts stay on the device)
+        return traced_experts(x, topk_ids, topk_weights, w13, w2, limit)
     num_experts, k = w13.shape[0], topk_ids.shape[1]
     flat_ids = topk_ids.reshape(-1)
     order = torch.argsort(flat_ids, stable=True)
@@ -75,6 +77,22 @@ def routed_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.
     out = torch.zeros_like(x)
     out.index_add_(0, token_of, out_sorted * weights)
     return out
+
+
+def traced_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w13: torch.Tensor,
+                   w2: torch.Tensor, limit: float = 0.0) -> torch.Tensor:
+    """routed_experts without a host sync, for compiled (traced) steps. One token (a batch-1 decode step):
+    its choices' expert weights gathered, so only the chosen experts are read; more: every expert over every
+    token, combined by the routing weights (each expert's weights read once). The branch is on T == 1, which
+    a compiled step's shapes decide without a guard (a dynamic batch dimension is never 1)."""
+    t = topk_ids.shape[0]
+    if t == 1:
+        h = swiglu(torch.einsum("td,tknd->tkn", x, w13[topk_ids]), limit)
+        y = torch.einsum("tki,tkdi->tkd", h, w2[topk_ids])
+        return (y * topk_weights.to(y.dtype)[..., None]).sum(1)
+    combine = x.new_zeros(t, w13.shape[0]).scatter_add_(1, topk_ids, topk_weights.to(x.dtype))
+    h = swiglu(torch.matmul(x, w13.transpose(1, 2)), limit)  # [E, T, I]
+    return torch.einsum("te,etd->td", combine, torch.matmul(h, w2.transpose(1, 2)))
 
 
 def sorted_expert_outputs(xs: torch.Tensor, sorted_ids: torch.Tensor, counts: torch.Tensor, w13: torch.Tensor,

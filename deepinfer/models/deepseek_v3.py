@@ -168,13 +168,16 @@ def plan_step(meta: ForwardMeta, rotary: RotaryTable, interleave: bool) -> MLASt
 
 
 def static_plan(step: StaticStep, rotary: RotaryTable, interleave: bool) -> MLAStep:
-    """The plan of a fixed-shape step (CUDA graphs): every token an absorbed query over positions 0..its own,
-    read by the paged kernel through its request's block-table row; no host sync (the table is pre-grown)."""
+    """The plan of a fixed-shape step (CUDA graphs, torch.compile on CPU): every token an absorbed query over
+    positions 0..its own, read by the paged kernel through its request's block-table row (off CUDA, gathered
+    from the slots of every position the table holds); no host sync (the table is pre-grown)."""
     req, pos = step.token_req, step.positions
     lens = pos + 1
     width = step.block_table.shape[1] * step.block_size
-    valid = torch.arange(width, device=step.device)[None, :] < lens[:, None]
-    decode = DecodeBatch(torch.arange(pos.numel(), device=step.device), valid, valid, None,
+    cols = torch.arange(width, device=step.device)[None, :]
+    valid = cols < lens[:, None]
+    slots = valid if triton_enabled(pos) else step.slots_of(req[:, None], cols.expand(pos.numel(), -1))
+    decode = DecodeBatch(torch.arange(pos.numel(), device=step.device), slots, valid, None,
                          step.block_table[req], lens, step.block_size)
     return MLAStep(rotary.cos[pos], rotary.sin[pos], step.slots_of(req, pos), decode, [], interleave)
 
@@ -781,10 +784,8 @@ class DeepseekV3ForCausalLM(nn.Module):
         return self._run(self._step(meta), meta.input_ids, return_mtp_input)
 
     def forward_static(self, step: StaticStep, scratch_block: int, return_mtp_input: bool = False):
-        """forward over a fixed-shape step (CUDA graphs; the paged kernels only, padding rows in the scratch
+        """forward over a fixed-shape step (CUDA graphs, torch.compile on CPU; padding rows in the scratch
         block); the rope table must cover every position (grow_rope)."""
-        if not triton_enabled(step.input_ids):
-            raise RuntimeError("forward_static runs on the Triton kernels (CUDA with triton)")
         return self._run(static_plan(step, self.rotary, self.config.rope_interleave), step.input_ids,
                          return_mtp_input)
 

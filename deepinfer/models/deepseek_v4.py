@@ -87,8 +87,9 @@ class StepContext:
 
 
 class StaticStepContext(StepContext):
-    """StepContext of a fixed-shape step (layers/static_step.py; what CUDA graphs replay): the same interface,
-    plans from models/v4_static.py, always the Triton kernels. Padding rows use the scratch block / slot."""
+    """StepContext of a fixed-shape step (layers/static_step.py; what CUDA graphs and torch.compile replay):
+    the same interface, plans from models/v4_static.py, always the paged-source path (the Triton kernels on
+    CUDA, their torch references elsewhere). Padding rows use the scratch block / slot."""
 
     def __init__(self, model: DeepseekV4ForCausalLM, step: StaticStep, scratch_block: int):
         self.meta, self.cfg, self.lookahead = step, model.config, model.num_lookahead_tokens
@@ -241,12 +242,13 @@ class Indexer(nn.Module):
 
     def _kernel_select(self, q: torch.Tensor, weights: torch.Tensor, meta: ForwardMeta, pool: PagedPool,
                        plan: CompressPlan) -> tuple[torch.Tensor, torch.Tensor]:
-        from deepinfer.kernels.indexer import indexer_topk
+        from deepinfer.kernels.indexer import indexer_topk, indexer_topk_reference
 
         visible = (meta.positions + 1) // plan.ratio
-        return indexer_topk(q, weights, pool.data, pool.scale, meta.block_table, meta.token_req, visible,
-                            meta.block_size // plan.ratio, self.topk, self.head_dim**-0.5,
-                            max_entries=plan.max_entries)
+        topk = indexer_topk if triton_enabled(q) else indexer_topk_reference
+        return topk(q, weights, pool.data, pool.scale, meta.block_table, meta.token_req, visible,
+                    meta.block_size // plan.ratio, self.topk, self.head_dim**-0.5,
+                    max_entries=plan.max_entries)
 
     def _scores_per_token(self, q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor,
                           valid: torch.Tensor) -> torch.Tensor:
@@ -314,13 +316,15 @@ class Attention(nn.Module):
         return sink_attention(q, keys, valid, self.attn_sink, self.head_dim**-0.5)
 
     def _kernel_attention(self, x, qr, q, kv, ctx: StepContext) -> torch.Tensor:
-        """The Triton path: the kernel reads the ring, the new rows and the pools itself."""
-        from deepinfer.kernels.sparse_attention import sparse_attention
+        """The paged-source path: the kernel reads the ring, the new rows and the pools itself (off CUDA, a
+        fixed-shape step's torch reference gathers them: no host sync)."""
+        from deepinfer.kernels.sparse_attention import sparse_attention, sparse_attention_reference
 
         ring = self.cache["window"].view(-1, self.head_dim)
         window = ctx.window_source(ring, kv)
         entries = self._entry_source(x, qr, ctx) if self.kind != SLIDING else None
-        out = sparse_attention(q, window, entries, self.attn_sink, self.head_dim**-0.5)
+        attend = sparse_attention if triton_enabled(q) else sparse_attention_reference
+        out = attend(q, window, entries, self.attn_sink, self.head_dim**-0.5)
         ctx.window.source.write(ring, kv)
         return out
 
@@ -587,10 +591,8 @@ class DeepseekV4ForCausalLM(nn.Module):
         return self._run(StepContext(self, meta), return_mtp_input)
 
     def forward_static(self, step: StaticStep, scratch_block: int, return_mtp_input: bool = False):
-        """forward over a fixed-shape step (CUDA-graph capture and replay): no host sync, no data-dependent
-        shape; the rope tables must already cover every position (grow_rope)."""
-        if not triton_enabled(step.input_ids):
-            raise RuntimeError("forward_static runs on the Triton kernels (CUDA with triton)")
+        """forward over a fixed-shape step (CUDA-graph capture and replay, torch.compile on CPU): no host sync,
+        no data-dependent shape; the rope tables must already cover every position (grow_rope)."""
         return self._run(StaticStepContext(self, step, scratch_block), return_mtp_input)
 
     def grow_rope(self, max_position: int) -> None:

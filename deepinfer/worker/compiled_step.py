@@ -1,0 +1,109 @@
+"""Compiled decode and verify steps off CUDA: the model's fixed-shape forward (`forward_static`, the same
+function CUDA graphs capture) compiled once by torch.compile (inductor's C++ backend on CPU) and called for
+every step it covers, in place of the eager forward's hundreds of small ops and their Python overhead.
+
+CUDA graphs (cuda_graphs.py) replay fixed buffers, so each step is padded to a captured batch size and the
+full block-table width. A compiled function takes the step's own tensors instead, with the batch dimension
+and the block-table width dynamic, so nothing is padded except a one-column table to two (the compiler
+specialises sizes 0 and 1; a width of 1 would be one more graph). Per query length two graphs are compiled
+at start-up (`capture_all`): one request, the latency case the compiler specialises, and any larger batch.
+Inductor caches what it compiles on disk (DEFAULT_CACHE_DIR unless TORCHINDUCTOR_CACHE_DIR is set), so a
+restart with the same model and versions compiles nothing (dynamo still traces the model: seconds, not
+minutes). A model the compiler cannot take (an error while compiling at start-up) is logged and run eagerly.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from deepinfer.layers.static_step import StaticStep
+from deepinfer.worker.cuda_graphs import longest_position, supports_graphs, uniform_query_len
+
+logger = logging.getLogger("deepinfer")
+
+DEFAULT_CACHE_DIR = Path("~/.cache/deepinfer/inductor").expanduser()
+
+
+class CompiledSteps:
+    """The compiled forward_static of one model and the steps it runs (runner.graphs' interface: covers,
+    run, capture_all)."""
+
+    def __init__(self, model: torch.nn.Module, max_model_len: int, block_size: int, scratch_block: int,
+                 scratch_slot: int, device: torch.device, max_batch: int, query_lens: Sequence[int] = (1,),
+                 with_streams: bool = False):
+        self.model, self.block_size, self.device = model, block_size, device
+        self.scratch_block, self.scratch_slot, self.max_batch = scratch_block, scratch_slot, max_batch
+        self.query_lens, self.with_streams = tuple(query_lens), with_streams
+        self.max_blocks = -(-longest_position(model, max_model_len) // block_size)
+        model.grow_rope(longest_position(model, max_model_len))  # the rope tables are indexed, never grown
+        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(DEFAULT_CACHE_DIR))
+        self.fn = torch.compile(self._forward, dynamic=True, fullgraph=True)
+        self.failed = False  # set when compiling failed at start-up: every step then runs eagerly
+
+    def _forward(self, input_ids, positions, block_table, state_slots, seq_starts, q: int) -> tuple:
+        step = StaticStep(input_ids, positions, block_table, state_slots, seq_starts, q, self.block_size)
+        out = self.model.forward_static(step, self.scratch_block, return_mtp_input=self.with_streams)
+        return out if isinstance(out, tuple) else (out,)
+
+    def covers(self, meta) -> bool:
+        """Uniform q-token steps of at most max_batch requests writing every new position (as
+        StepGraphs.covers: a step keeping shared prefix entries, paged_write_from > seq_starts, runs eagerly)."""
+        if self.failed:
+            return False
+        writes_all = meta.paged_write_from is None or list(meta.paged_write_from) == list(meta.seq_starts)
+        return (uniform_query_len(meta.query_start) in self.query_lens and meta.num_reqs <= self.max_batch
+                and meta.block_table.shape[1] <= self.max_blocks and writes_all)
+
+    def run(self, meta) -> tuple[torch.Tensor, ...]:
+        """(hidden,) or (hidden, streams) of a covered step."""
+        return self._call(StaticStep.from_meta(meta))
+
+    @torch.inference_mode()  # as ModelRunner.execute: the grad mode is a guard, one mode means one graph
+    def _call(self, step: StaticStep) -> tuple[torch.Tensor, ...]:
+        table = step.block_table
+        if table.shape[1] < 2:  # pad to two columns (the scratch block): widths 0 / 1 would be graphs of their own
+            table = torch.cat([table, table.new_full((table.shape[0], 2 - table.shape[1]), self.scratch_block)], 1)
+        tensors = (step.input_ids, step.positions, table, step.state_slots, step.seq_starts)
+        if step.state_slots.numel() > 1:  # any batch of two or more requests: one graph
+            for t in tensors:
+                torch._dynamo.mark_dynamic(t, 0)
+        torch._dynamo.mark_dynamic(table, 1)
+        return self.fn(*tensors, step.tokens_per_req)
+
+    @torch.inference_mode()  # the warm-up's tensors are inference tensors, as a step's are (a guard too)
+    def capture_all(self, progress: bool = True) -> None:
+        """Compile every graph now (start-up): one request and two, per query length, on padding rows."""
+        keys = [(b, q) for q in self.query_lens for b in (1, 2) if b <= self.max_batch]
+        try:
+            for batch, q in tqdm(keys, desc="Compiling decode steps", disable=not progress):
+                self._call(StaticStep.empty(batch, q, 2, self.block_size, self.scratch_slot, self.scratch_block,
+                                            self.device))
+        except Exception as exc:  # the compiler's errors have no common base class
+            self.failed = True
+            logger.warning("torch.compile could not compile the decode step (%s: %s); steps run eagerly",
+                           type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
+
+
+def use_compiled_steps(model: torch.nn.Module, args, device: torch.device, proposer=None) -> bool:
+    """EngineArgs' decision: off CUDA, not --enforce-eager, not deterministic mode (its own kernels), not
+    two-batch overlap, one process with a fixed-shape forward, and no proposer that hooks the forward. Quantised
+    KV pools are not covered by the compiled-step tests yet, so they run eagerly."""
+    return (device.type != "cuda" and not args.enforce_eager and not args.deterministic
+            and not args.two_batch_overlap and args.kv_cache_dtype == "auto"
+            and supports_graphs(model) and getattr(proposer, "graph_safe", True))
+
+
+def build_compiled(runner, args, max_model_len: int) -> CompiledSteps:
+    """The runner's compiled steps: decode, plus verify steps of k + 1 tokens with speculation."""
+    spec = args.speculative
+    query_lens = (1,) if spec is None else (1, spec.num_speculative_tokens + 1)
+    kind = runner.proposer.hidden_kind if runner.proposer is not None else ""
+    layout = runner.layout
+    return CompiledSteps(runner.model, max_model_len, layout.block_size, layout.num_blocks, layout.state_rows,
+                         runner.device, args.max_num_seqs, query_lens, with_streams=kind == "mtp")

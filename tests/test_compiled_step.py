@@ -1,0 +1,102 @@
+"""Compiled decode steps off CUDA (worker/compiled_step.py): torch.compile of the fixed-shape forward gives
+the eager engine's greedy tokens and, within float32 rounding, its log-probabilities; after the start-up
+warm-up nothing recompiles (a recompile is an error here); a model the compiler cannot take runs eagerly."""
+
+import logging
+
+import pytest
+import torch
+from tiny_models import make_reference, save_reference
+
+from deepinfer import LLM, SamplingParams
+from deepinfer.config import EngineArgs
+from deepinfer.worker import compiled_step
+from deepinfer.worker.compiled_step import use_compiled_steps
+
+OPTIONS = dict(block_size=16, load_progress=False, dtype="float32", device="cpu")
+
+
+@pytest.fixture(scope="module")
+def v4(tmp_path_factory):
+    return save_reference(make_reference("v4", seed=11), tmp_path_factory.mktemp("v4") / "model")
+
+
+def _prompts(n: int) -> list[list[int]]:
+    return [torch.randint(3, 300, (k,), generator=torch.Generator().manual_seed(k)).tolist() for k in (9, 21, 5)][:n]
+
+
+def _generate(path, eager: bool, n: int, monkeypatch, **options):
+    """Greedy tokens and top-3 logprobs of n prompts, and the batch size of every compiled step."""
+    llm = LLM(str(path), enforce_eager=eager, **{**OPTIONS, **options})
+    steps, calls = llm.engine.runner.graphs, []
+    if steps is not None:
+        monkeypatch.setattr(torch._dynamo.config, "error_on_recompile", True)
+        run = steps.run
+        steps.run = lambda meta: calls.append(meta.num_reqs) or run(meta)
+    params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True, logprobs=3) for m in (12, 5, 9)][:n]
+    outs = llm.generate([{"prompt_token_ids": p} for p in _prompts(n)], params, use_tqdm=False)
+    lps = [[{t: lp.logprob for t, lp in d.items()} for d in o.outputs[0].logprobs] for o in outs]
+    return [o.outputs[0].token_ids for o in outs], lps, calls
+
+
+def _assert_same(want, got) -> None:
+    assert got[0] == want[0]  # greedy tokens identical
+    for w_req, g_req in zip(want[1], got[1]):
+        for w, g in zip(w_req, g_req):
+            assert w.keys() == g.keys()
+            torch.testing.assert_close(torch.tensor(list(g.values())), torch.tensor(list(w.values())),
+                                       rtol=1e-4, atol=1e-4)
+
+
+def test_compiled_decode_matches_eager_v4(v4, monkeypatch):
+    """One stream (one graph: the batch-1 specialisation), every decode step compiled."""
+    want = _generate(v4, True, 1, monkeypatch, max_num_seqs=1)
+    got = _generate(v4, False, 1, monkeypatch, max_num_seqs=1)
+    _assert_same(want, got)
+    assert want[2] == [] and got[2] == [1] * 11
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("options", [{}, {"async_scheduling": True}], ids=["sync", "async"])
+def test_compiled_batches_match_eager_v4(v4, monkeypatch, options):
+    """Batches of 3, 2 and 1 as requests finish: the dynamic-batch graph and the batch-1 one, no recompile."""
+    want = _generate(v4, True, 3, monkeypatch, max_num_seqs=4, **options)
+    got = _generate(v4, False, 3, monkeypatch, max_num_seqs=4, **options)
+    _assert_same(want, got)
+    assert {3, 2, 1} <= set(got[2])
+
+
+@pytest.mark.slow
+def test_compiled_mla_decode_matches_eager(tmp_path, monkeypatch):
+    """DeepSeek-V3 (MLA absorbed decode over the paged latent cache, sorted MoE traced densely)."""
+    path = save_reference(make_reference("v3", seed=2), tmp_path / "v3")
+    want = _generate(path, True, 3, monkeypatch, max_num_seqs=4)
+    got = _generate(path, False, 3, monkeypatch, max_num_seqs=4)
+    _assert_same(want, got)
+    assert {3, 2, 1} <= set(got[2])
+
+
+def test_a_model_the_compiler_cannot_take_runs_eagerly(v4, monkeypatch, caplog):
+    from deepinfer.models.deepseek_v4 import DeepseekV4ForCausalLM
+
+    def broken(self, step, scratch_block, return_mtp_input=False):
+        raise NotImplementedError("no static forward here")
+
+    monkeypatch.setattr(DeepseekV4ForCausalLM, "forward_static", broken)
+    monkeypatch.setattr(logging.getLogger("deepinfer"), "propagate", True)  # deepinfer's logger keeps to itself
+    want = _generate(v4, True, 1, monkeypatch, max_num_seqs=1)
+    got = _generate(v4, False, 1, monkeypatch, max_num_seqs=1)
+    assert got[0] == want[0] and got[2] == []
+    assert "steps run eagerly" in caplog.text
+
+
+def test_compiled_steps_are_declined_where_they_do_not_apply():
+    model = torch.nn.Module()
+    model.forward_static = lambda *a: None
+    cpu = torch.device("cpu")
+    assert use_compiled_steps(model, EngineArgs(enforce_eager=False), cpu)
+    assert not use_compiled_steps(model, EngineArgs(enforce_eager=False), torch.device("cuda"))  # CUDA graphs
+    for off in (dict(enforce_eager=True), dict(deterministic=True), dict(kv_cache_dtype="fp8")):
+        assert not use_compiled_steps(model, EngineArgs(**{"enforce_eager": False, **off}), cpu), off
+    assert not use_compiled_steps(torch.nn.Linear(2, 2), EngineArgs(enforce_eager=False), cpu)
+    assert compiled_step.DEFAULT_CACHE_DIR.name == "inductor"
