@@ -83,6 +83,7 @@ def test_a_model_the_compiler_cannot_take_runs_eagerly(v4, monkeypatch, caplog):
         raise NotImplementedError("no static forward here")
 
     monkeypatch.setattr(DeepseekV4ForCausalLM, "forward_static", broken)
+    torch._dynamo.reset()  # an earlier test's compiled step would otherwise serve this engine from the cache
     monkeypatch.setattr(logging.getLogger("deepinfer"), "propagate", True)  # deepinfer's logger keeps to itself
     want = _generate(v4, True, 1, monkeypatch, max_num_seqs=1)
     got = _generate(v4, False, 1, monkeypatch, max_num_seqs=1)
