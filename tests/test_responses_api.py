@@ -452,3 +452,20 @@ def test_assistant_turn_of_an_output():
     assert assistant_turn(output) == {"role": "assistant", "content": None, "reasoning_content": "think",
                                       "tool_calls": [{"id": "c", "type": "function",
                                                       "function": {"name": "f", "arguments": "{}"}}]}
+
+
+def test_reasoning_effort_reaches_the_template_as_reasoning_effort():
+    from deepinfer.server.responses import template_kwargs
+    from deepinfer.server.responses_protocol import ResponsesRequest
+
+    def kwargs(reasoning, extra=None):
+        return template_kwargs(ResponsesRequest(model=MODEL, input="hi", reasoning=reasoning,
+                                                chat_template_kwargs=extra))
+
+    assert kwargs({"effort": "medium"}) == {"thinking": True, "enable_thinking": True, "reasoning_effort": "high"}
+    assert kwargs({"effort": "minimal"})["reasoning_effort"] == "low"
+    assert kwargs({"effort": "none"}) == {"thinking": False, "enable_thinking": False}
+    assert kwargs({}) == {"thinking": True, "enable_thinking": True}
+    assert kwargs({"effort": "max"}, {"reasoning_effort": 60})["reasoning_effort"] == 60  # explicit kwargs win
+    with pytest.raises(APIError, match="reasoning.effort"):
+        kwargs({"effort": "extreme"})

@@ -227,6 +227,9 @@ def test_render_errors_are_value_errors():
         V41.render([{"role": "user", "content": "q"}], True, {"reasoning_effort": "huge"})
     with pytest.raises(ValueError, match="boolean"):
         V4.render([{"role": "user", "content": "q"}], True, {"thinking": "yes"})
+    for bad in ("get_weather", [1], [{"type": "function", "function": "f"}]):  # a 400, not a 500, in the server
+        with pytest.raises(ValueError, match="chat_template_kwargs.tools"):
+            V4.render([{"role": "user", "content": "q"}], True, {"tools": bad})
 
 
 # --- parsing -----------------------------------------------------------------------------------------------

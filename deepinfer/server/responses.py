@@ -246,12 +246,23 @@ def response_format(body: ResponsesRequest) -> dict[str, Any] | None:
     raise bad_request(f"text.format.type must be text, json_object or json_schema, got {fmt.type!r}", param="text")
 
 
+# OpenAI's effort names -> the chat template's reasoning_effort (V4.1's levels; medium is its default, high)
+EFFORTS = {"minimal": "low", "low": "low", "medium": "high", "high": "high", "xhigh": "xhigh", "max": "max"}
+
+
 def template_kwargs(body: ResponsesRequest) -> dict[str, Any] | None:
-    """`reasoning` turns thinking on (effort "none": off); explicit chat_template_kwargs win."""
+    """`reasoning` turns thinking on (effort "none": off) and passes its effort on as reasoning_effort (which
+    V4.1's template renders and V4's reads for "max"); explicit chat_template_kwargs win."""
     kwargs: dict[str, Any] = {}
     if body.reasoning is not None:
-        on = body.reasoning.effort != "none"
+        effort = body.reasoning.effort
+        on = effort != "none"
         kwargs = {"thinking": on, "enable_thinking": on}
+        if on and effort is not None:
+            if effort not in EFFORTS:
+                raise bad_request(f"reasoning.effort must be none or one of {', '.join(EFFORTS)}, got {effort!r}",
+                                  param="reasoning.effort")
+            kwargs["reasoning_effort"] = EFFORTS[effort]
     kwargs.update(body.chat_template_kwargs or {})
     return kwargs or None
 

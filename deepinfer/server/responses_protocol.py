@@ -35,7 +35,7 @@ class TextConfig(_Body):
 
 class ReasoningConfig(_Body):
     """`reasoning`: its presence turns the chat template's thinking mode on (`effort` "none" turns it off);
-    the effort level itself has no effect."""
+    the effort goes to the template as reasoning_effort (minimal -> low, medium -> high)."""
 
     effort: str | None = None
     summary: str | None = None

@@ -526,7 +526,7 @@ class DSMLFormat:
         Without a generation prompt the assistant header after the last message is left out. ValueError for
         what the format cannot express."""
         kwargs = kwargs or {}
-        tools = kwargs.get("tools") or []
+        tools = _template_tools(kwargs.get("tools") or [])
         msgs = _normalize(messages)
         if tools:
             if msgs[0]["role"] != "system":
@@ -615,6 +615,15 @@ class DSMLFormat:
             raise ValueError(f"reasoning_effort must be one of {', '.join(V41_EFFORTS)}, none or an integer in "
                              f"[1, 100], got {effort!r}")
         return V41_EFFORT.format(effort)
+
+
+def _template_tools(tools) -> list[dict]:
+    """chat_template_kwargs.tools: a list of tool objects (OpenAI's {"type", "function"} or bare functions)."""
+    if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
+        raise ValueError(f"chat_template_kwargs.tools must be a list of tool objects, got {tools!r:.80}")
+    if not all(isinstance(t.get("function", t), dict) for t in tools):
+        raise ValueError("chat_template_kwargs.tools: each tool's function must be an object")
+    return tools
 
 
 def _flag(kwargs: dict, key: str, default) -> bool:
