@@ -690,8 +690,9 @@ def add_routes(app: FastAPI, serving: Serving) -> ResponsesAPI:
         return await api.create(body, request)
 
     @app.get("/v1/responses/{response_id}", **lookup)
-    async def retrieve_response(response_id: str, request: Request) -> dict:
-        return api.retrieve(response_id, request)
+    async def retrieve_response(response_id: str, request: Request) -> Response:
+        # ASCII JSON, as POST answers: a stored echo of the client's text may hold lone surrogates
+        return Response(_dumps(api.retrieve(response_id, request)), media_type="application/json")
 
     @app.delete("/v1/responses/{response_id}", **deletion)
     async def delete_response(response_id: str, request: Request) -> dict:
