@@ -320,7 +320,7 @@ def test_streamed_responses_are_stored_and_store_false_is_not(client):
 def test_a_stored_response_echoing_a_lone_surrogate_is_retrievable(server):
     """Echoed metadata holds text UTF-8 cannot encode (sent as a JSON escape; the openai client cannot send
     it; prompts holding it are 400s): GET answers ASCII JSON, as POST does."""
-    body = '{"model": "%s", "input": "hi", "metadata": {"k": "a\\ud800b"}, "max_output_tokens": 1}' % MODEL
+    body = json.dumps({"model": MODEL, "input": "hi", "metadata": {"k": "a\ud800b"}, "max_output_tokens": 1})
     made = httpx.post(server.url + "/v1/responses", content=body, headers={"content-type": "application/json"},
                       timeout=120)
     assert made.status_code == 200, made.text
