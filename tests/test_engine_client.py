@@ -235,3 +235,12 @@ def test_killed_engine_ends_streams_with_an_error_and_sets_dead(client, loop):
     outputs = loop.run_until_complete(run())
     assert outputs[-1].finish_reason == "error" and "exit" in outputs[-1].error and client.dead
     assert client.process not in multiprocessing.active_children()
+
+
+def test_the_start_up_allowance_covers_compiling_unless_the_engine_runs_eagerly(monkeypatch):
+    from deepinfer.server.engine_client import COMPILE_ALLOWANCE_S, LOAD_ALLOWANCE_S, startup_allowance
+
+    assert startup_allowance({"enforce_eager": True}) == LOAD_ALLOWANCE_S
+    assert startup_allowance({"enforce_eager": False}) == LOAD_ALLOWANCE_S + COMPILE_ALLOWANCE_S
+    monkeypatch.setenv("DEEPINFER_ENFORCE_EAGER", "1")
+    assert startup_allowance({}) == LOAD_ALLOWANCE_S

@@ -59,7 +59,7 @@ class ReplicatedEngineClient:
 
     @classmethod
     async def start(cls, model: str | None, engine_kwargs: dict, replicas: int, config: RouterConfig,
-                    startup_timeout: float = 120.0) -> ReplicatedEngineClient:
+                    startup_timeout: float | None = None) -> ReplicatedEngineClient:
         """Start `replicas` engines (each its own process, and its own ranks if multi-rank) concurrently."""
         kwargs = {**engine_kwargs, "kv_events": True}
         started = await asyncio.gather(*(AsyncEngineClient.start(model, kwargs, startup_timeout)

@@ -98,9 +98,11 @@ class AsyncEngineClient:
 
     # --- start / stop ----------------------------------------------------------------------------
     @classmethod
-    async def start(cls, model: str | None, engine_kwargs: dict, startup_timeout: float = 120.0,
+    async def start(cls, model: str | None, engine_kwargs: dict, startup_timeout: float | None = None,
                     transport: str = "ipc") -> AsyncEngineClient:
-        """Spawn the engine and wait for it to load; RuntimeError (with the engine's reason) if it cannot."""
+        """Spawn the engine and wait for it to load; RuntimeError (with the engine's reason) if it cannot.
+        startup_timeout: default startup_allowance(engine_kwargs)."""
+        startup_timeout = startup_allowance(engine_kwargs) if startup_timeout is None else startup_timeout
         ctx = zmq.asyncio.Context()
         tmpdir = tempfile.mkdtemp(prefix="deepinfer-") if _use_ipc(transport) else None
         process = None
@@ -343,6 +345,17 @@ def _bind(ctx: zmq.asyncio.Context, kind: int, tmpdir: str | None, name: str) ->
     addr = f"ipc://{os.path.join(tmpdir, name)}"
     sock.bind(addr)
     return sock, addr
+
+
+LOAD_ALLOWANCE_S = 120.0  # interpreter, imports, checkpoint load
+COMPILE_ALLOWANCE_S = 900.0  # compiling the decode steps cold (a minute or three on a small CPU machine)
+
+
+def startup_allowance(engine_kwargs: dict) -> float:
+    """How long an engine may take to report ready: loading, plus compiling unless it runs eagerly. An engine
+    that dies meanwhile is noticed at once (its exit code), so only a hung start-up waits this long."""
+    eager = engine_kwargs.get("enforce_eager", os.environ.get("DEEPINFER_ENFORCE_EAGER", "0") == "1")
+    return LOAD_ALLOWANCE_S + (0.0 if eager else COMPILE_ALLOWANCE_S)
 
 
 async def _await_ready(process, sock: zmq.asyncio.Socket, timeout: float) -> EngineReady:
