@@ -30,6 +30,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
+from deepinfer.config import EngineArgs
 from deepinfer.engine.engine_proc import run_engine
 from deepinfer.engine.messages import (
     AbortRequest,
@@ -354,7 +355,7 @@ COMPILE_ALLOWANCE_S = 900.0  # compiling the decode steps cold (a minute or thre
 def startup_allowance(engine_kwargs: dict) -> float:
     """How long an engine may take to report ready: loading, plus compiling unless it runs eagerly. An engine
     that dies meanwhile is noticed at once (its exit code), so only a hung start-up waits this long."""
-    eager = engine_kwargs.get("enforce_eager", os.environ.get("DEEPINFER_ENFORCE_EAGER", "0") == "1")
+    eager = engine_kwargs.get("enforce_eager", EngineArgs().enforce_eager)  # absent: EngineArgs' default
     return LOAD_ALLOWANCE_S + (0.0 if eager else COMPILE_ALLOWANCE_S)
 
 

@@ -23,7 +23,7 @@ import torch
 from tqdm import tqdm
 
 from deepinfer.layers.static_step import StaticStep
-from deepinfer.worker.cuda_graphs import longest_position, supports_graphs, uniform_query_len
+from deepinfer.worker.cuda_graphs import fits_static_step, longest_position, supports_graphs
 
 logger = logging.getLogger("deepinfer")
 
@@ -54,11 +54,7 @@ class CompiledSteps:
     def covers(self, meta) -> bool:
         """Uniform q-token steps of at most max_batch requests writing every new position (as
         StepGraphs.covers: a step keeping shared prefix entries, paged_write_from > seq_starts, runs eagerly)."""
-        if self.failed:
-            return False
-        writes_all = meta.paged_write_from is None or list(meta.paged_write_from) == list(meta.seq_starts)
-        return (uniform_query_len(meta.query_start) in self.query_lens and meta.num_reqs <= self.max_batch
-                and meta.block_table.shape[1] <= self.max_blocks and writes_all)
+        return not self.failed and fits_static_step(meta, self.query_lens, self.max_batch, self.max_blocks)
 
     def run(self, meta) -> tuple[torch.Tensor, ...]:
         """(hidden,) or (hidden, streams) of a covered step."""

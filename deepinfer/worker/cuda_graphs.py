@@ -98,10 +98,7 @@ class StepGraphs:
         """Uniform q-token steps within the sizes and block-table width, writing every new position (a step
         that must leave shared prefix entries untouched, paged_write_from > seq_starts, runs eagerly: the
         static step writes from seq_starts)."""
-        q = uniform_query_len(meta.query_start)
-        writes_all = meta.paged_write_from is None or list(meta.paged_write_from) == list(meta.seq_starts)
-        return (q in self.query_lens and pick_size(meta.num_reqs, self.sizes) is not None
-                and meta.block_table.shape[1] <= self.max_blocks and writes_all)
+        return fits_static_step(meta, self.query_lens, max(self.sizes), self.max_blocks)
 
     def run(self, meta) -> tuple[torch.Tensor, ...]:
         """(hidden,) or (hidden, streams) of a covered step's rows."""
@@ -143,6 +140,14 @@ class StepGraphs:
 def longest_position(model: torch.nn.Module, max_model_len: int) -> int:
     """One past the largest position a captured step may see (max_model_len plus the drafts' lookahead)."""
     return max_model_len + getattr(model, "num_lookahead_tokens", 0) + 1
+
+
+def fits_static_step(meta, query_lens, max_batch: int, max_blocks: int) -> bool:
+    """Whether a step can run as a fixed-shape step (graphs, compiled steps): uniform q-token rows with q in
+    query_lens, at most max_batch requests and max_blocks table columns, writing every new position."""
+    writes_all = meta.paged_write_from is None or list(meta.paged_write_from) == list(meta.seq_starts)
+    return (uniform_query_len(meta.query_start) in query_lens and meta.num_reqs <= max_batch
+            and meta.block_table.shape[1] <= max_blocks and writes_all)
 
 
 def supports_graphs(model: torch.nn.Module) -> bool:
