@@ -372,6 +372,63 @@ def test_any_truncation_streams_like_the_whole_parse(fmt, cut, cuts):
     assert len(content) + sum(len(c.arguments) for c in calls) > 0 or not text.strip()
 
 
+
+def _soup_pieces(fmt) -> list[str]:
+    m = fmt.markup
+    return ["\n\n" + m.open, m.open, m.close, f'{m.invoke} name="f">', f'{m.invoke} name="g" >', m.invoke_close,
+            f'{m.param} name="a" string="true">', f'{m.param} name="b" string="false">', m.param_close,
+            "\n", " ", "\t", "\r\n", " 3 ", "x y", '{"k": 1}', "<", "</think>", m.open[:5]]
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.sampled_from(DSML_FORMATS), st.data())
+def test_any_markup_soup_streams_like_the_whole_parse(fmt, data):
+    """Texts of random DSML pieces (tags in any order, whitespace, half tags) stream to the one-shot parse
+    for any cuts; e.g. whitespace after a block, then a next block's opening tag cut in two, is structure
+    both ways."""
+    text = "".join(data.draw(st.lists(st.sampled_from(_soup_pieces(fmt)), max_size=16)))
+    _check_stream(fmt, text, data.draw(st.lists(st.integers(0, len(text)), max_size=8)))
+
+
+@pytest.mark.parametrize("fmt", DSML_FORMATS, ids=lambda f: f.name)
+def test_whitespace_then_a_split_opening_tag_after_a_block_is_structure(fmt):
+    m = fmt.markup
+    text = f"{m.open}{_invoke(fmt, 'f', '')}{m.close}\n\n{m.open}"
+    content, calls = fmt.parse(text)
+    assert content == m.open and [c.name for c in calls] == ["f"]
+    for cut in range(len(text) + 1):
+        _check_stream(fmt, text, [cut])
+
+
+@pytest.mark.parametrize("fmt", DSML_FORMATS, ids=lambda f: f.name)
+def test_streaming_work_grows_with_the_deltas_not_the_output(fmt, monkeypatch):
+    """A long argument streamed a character at a time is parsed when a tag arrives, not on every delta, and
+    the stream holds only the undecided tail of the text."""
+    from deepinfer.server.tool_formats import DSMLScanner
+
+    tries = []
+    real = DSMLScanner._invoke
+    monkeypatch.setattr(DSMLScanner, "_invoke", lambda self, *a: tries.append(1) or real(self, *a))
+    m, value = fmt.markup, "word " * 2000
+    call = f"\n\n{m.open}\n" + _invoke(fmt, "f", f'{m.param} name="a" string="true">{value}{m.param_close}')
+    text = "x" * 5000 + call + f"\n{m.close}" + "y" * 5000
+    stream, held = fmt.stream(), []
+    content, calls = _pieces_with(stream, text, held)
+    assert (content, calls) == ("x" * 5000 + "y" * 5000, [(0, "f", json.dumps({"a": value}))])
+    assert len(tries) < 60  # once per tag of the invoke at most (10,000 deltas inside it)
+    outside = held[:5000] + held[-4000:]  # deltas of plain content: nothing piles up
+    assert max(outside) < 100
+
+
+def _pieces_with(stream, text: str, held: list) -> tuple[str, list]:
+    content, calls = "", []
+    for i, ch in enumerate(text):
+        piece, deltas = stream.feed(ch, final=i == len(text) - 1)
+        content += piece
+        calls += [(d["index"], d["function"]["name"], d["function"]["arguments"]) for d in deltas]
+        held.append(len(stream.text))
+    return content, calls
+
 # --- forced calls: the grammar writes exactly the format ----------------------------------------------------
 @pytest.fixture(scope="module")
 def compiler():

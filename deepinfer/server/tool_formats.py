@@ -32,7 +32,9 @@ Parsing invariants (tested):
 - nothing the model wrote is lost: a block without any well-formed call (malformed, or cut off by
   max_tokens) is returned as content verbatim, as is any malformed invoke or stray text inside a block
   that has calls; only the block's own markup (and whitespace between its elements) is structure;
-- `render_calls` of the parsed calls re-renders a canonically rendered block to the same text.
+- `render_calls` of the parsed calls re-renders a canonically rendered block to the same text;
+- streaming is linear: an undecided invoke is re-parsed only when a tag that can decide it arrives, and the
+  stream keeps only the undecided tail of the text.
 """
 
 from __future__ import annotations
@@ -150,6 +152,10 @@ class DSMLScanner:
         self.raw_start = 0  # the current block's raw text starts here (its leading newlines included)
         self.block_calls = 0
         self.pending: list[str] = []  # content of the current block before its first call
+        # A block step undecided at pos stays undecided until a tag that ends an invoke or the block (or
+        # starts an invoke) appears: text[:scanned] holds none after pos (scanned > pos while stalled).
+        self.scanned = 0
+        self._tags = (markup.invoke, markup.invoke_close, markup.close)
 
     def advance(self, text: str, final: bool = False) -> list[str | ParsedCall]:
         out: list[str | ParsedCall] = []
@@ -157,9 +163,11 @@ class DSMLScanner:
             try:
                 step = self._block_step(text, final) if self.in_block else self._outside_step(text, final)
             except _Undecided:
-                return out
+                step = None
             if step is None:
+                self.scanned = len(text) if self.in_block else 0
                 return out
+            self.scanned = 0  # progress: the next step parses afresh
             out.extend(step)
 
     # outside a block: content, up to the next block
@@ -178,6 +186,8 @@ class DSMLScanner:
                     return None
                 self.pos = len(text)
                 return []
+            if j < 0 and not final and _prefix_of(head.lstrip(), 0, self.m.open):
+                return None  # whitespace, then what may yet be the next block's opening tag
             self.after_block = False
         if j < 0:
             tail = text[max(start, len(text) - 64):]
@@ -199,6 +209,8 @@ class DSMLScanner:
     # inside a block: invokes, separated by whitespace, up to the closing marker
     def _block_step(self, text: str, final: bool) -> list | None:
         m, cur = self.m, self.pos
+        if not final and self.scanned > cur and not self._new_tag(text):
+            return None  # nothing that could decide it arrived since the last try: no re-parse
         found = [k for k in (text.find(m.invoke, cur), text.find(m.close, cur)) if k >= 0]
         if not found:
             if not final:
@@ -213,6 +225,18 @@ class DSMLScanner:
         if call is None:  # malformed: its text is content
             return self._add(gap + [text[k:end]], end)
         return self._add(gap, end, call)
+
+    def _new_tag(self, text: str) -> bool:
+        since = max(self.pos, self.scanned - max(map(len, self._tags)) + 1)
+        return any(text.find(t, since) >= 0 for t in self._tags)
+
+    def decided(self) -> int:
+        """text[:decided()] is never read again (a block without calls yet keeps its raw text)."""
+        return self.raw_start if self.in_block and self.block_calls == 0 else self.pos
+
+    def shift(self, n: int) -> None:
+        """The caller dropped text[:n] (n <= decided()): positions move with it."""
+        self.pos, self.raw_start, self.scanned = self.pos - n, self.raw_start - n, max(0, self.scanned - n)
 
     def _add(self, items: list[str], end: int, call: ParsedCall | None = None) -> list:
         self.pos = end
@@ -350,7 +374,11 @@ class DSMLStream:
     def feed(self, delta: str, final: bool = False) -> tuple[str, list[dict[str, Any]]]:
         self.text += delta
         content, deltas = [], []
-        for item in self.scanner.advance(self.text, final):
+        items = self.scanner.advance(self.text, final)
+        cut = self.scanner.decided()  # the held text stays the undecided tail: each delta costs its own size
+        self.text = self.text[cut:]
+        self.scanner.shift(cut)
+        for item in items:
             if isinstance(item, str):
                 content.append(item)
                 continue
