@@ -784,6 +784,9 @@ def _llm_point(ctx: Ctx, eager: bool | None) -> Entry:
 def _llm_points(ctx: Ctx) -> None:
     for eager in (True, False):
         name = f"llm enforce_eager={eager}"
+        if not eager and not ctx.cuda:  # off CUDA that compiles the steps (a minute): compiled_step.py's job
+            ctx.add({"name": name, "status": "skipped", "reason": "no CUDA: no graphs to capture"})
+            continue
         try:
             from deepinfer.config import EngineArgs
 

@@ -100,6 +100,7 @@ class StepGraphs:
         static step writes from seq_starts)."""
         return fits_static_step(meta, self.query_lens, max(self.sizes), self.max_blocks)
 
+    @torch.inference_mode()  # the static buffers are inference tensors (captured so): refilled in that mode
     def run(self, meta) -> tuple[torch.Tensor, ...]:
         """(hidden,) or (hidden, streams) of a covered step's rows."""
         q = uniform_query_len(meta.query_start)
