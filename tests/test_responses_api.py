@@ -373,6 +373,22 @@ def test_input_items_become_chat_messages():
         assert e.value.status == 400 and e.value.param == "input"
 
 
+def test_a_reasoning_item_opens_the_assistant_turn_after_it():
+    call = {"type": "function_call", "call_id": "c1", "name": "add", "arguments": "{}"}
+    said = {"role": "assistant", "content": [{"type": "output_text", "text": "Hello."}]}
+    think = {"type": "reasoning", "summary": [{"type": "summary_text", "text": "use add"}]}
+    messages = input_messages([{"role": "user", "content": "hi"}, said, {"role": "user", "content": "add"},
+                               said, think, call])
+    assert [m.get("reasoning_content") for m in messages] == [None, None, None, None, "use add"]
+    assert "tool_calls" not in messages[3] and messages[4]["tool_calls"][0]["id"] == "c1"
+    # reasoning of a turn with no output reaches no later turn
+    messages = input_messages([{"role": "user", "content": "a"}, think, {"role": "user", "content": "b"}, said])
+    assert [m.get("reasoning_content") for m in messages] == [None, None, None]
+    messages = input_messages([think, think, call, {**call, "call_id": "c2"}])  # one turn: joined, both calls
+    assert len(messages) == 1 and messages[0]["reasoning_content"] == "use adduse add"
+    assert [c["id"] for c in messages[0]["tool_calls"]] == ["c1", "c2"]
+
+
 def _draft(stream: bool) -> ResponseDraft:
     return ResponseDraft({"id": "resp_x", "output": []}, stream)
 
@@ -383,13 +399,16 @@ def _chunk(**delta) -> dict:
 
 @settings(max_examples=60, deadline=None)
 @given(reasoning=st.text(max_size=12), content=st.text(max_size=12), ncalls=st.integers(0, 2),
-       finish=st.sampled_from(["stop", "length", "tool_calls"]), cuts=st.lists(st.integers(1, 5), max_size=8))
-def test_streamed_items_equal_the_whole_message_items(reasoning, content, ncalls, finish, cuts):
-    """Any cutting of the deltas gives the items of the whole message; the events follow the grammar."""
+       finish=st.sampled_from(["stop", "length", "tool_calls"]), cuts=st.lists(st.integers(1, 5), max_size=8),
+       after=st.sampled_from(["", "ab", "x"]))
+def test_streamed_items_equal_the_whole_message_items(reasoning, content, ncalls, finish, cuts, after):
+    """Any cutting of the deltas gives the items of the whole message, in its order (reasoning, message,
+    calls) even when content follows a call; the events follow the grammar."""
+    after = after if ncalls == 2 else after[:1] if ncalls else ""  # after[i::2] over the calls spells it
     calls = [{"id": f"call_{i}", "type": "function", "function": {"name": "add", "arguments": '{"a":1}'}}
              for i in range(ncalls)]
     whole = _draft(False)
-    whole.chat_message({"reasoning_content": reasoning, "content": content, "tool_calls": calls})
+    whole.chat_message({"reasoning_content": reasoning, "content": content + after, "tool_calls": calls})
     whole.finish_reason = finish
     streamed = _draft(True)
     streamed.opening()
@@ -401,6 +420,7 @@ def test_streamed_items_equal_the_whole_message_items(reasoning, content, ncalls
         streamed.chat_chunk(_chunk(**{key: text[start:]}))
     for i, call in enumerate(calls):
         streamed.chat_chunk(_chunk(tool_calls=[{"index": i, **call}]))
+        streamed.chat_chunk(_chunk(content=after[i::2]))  # text between and after the calls (DSML allows it)
     streamed.chat_chunk({"choices": [{"index": 0, "delta": {}, "finish_reason": finish}],
                          "usage": {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7}})
     a, b = whole.finish(), streamed.finish()
@@ -413,6 +433,8 @@ def test_streamed_items_equal_the_whole_message_items(reasoning, content, ncalls
     opened = [e["output_index"] for e in events if e["type"] == "response.output_item.added"]
     closed = [e["output_index"] for e in events if e["type"] == "response.output_item.done"]
     assert opened == closed == list(range(len(b["output"])))
+    kinds = [i["type"] for i in b["output"]]
+    assert kinds == sorted(kinds, key=["reasoning", "message", "function_call"].index)
     assert b["usage"]["output_tokens"] == 4 and events[-1]["type"] == f"response.{b['status']}"
 
 
@@ -446,6 +468,23 @@ def test_store_is_bounded_lru_and_per_key():
         small.put(None, resp(i), [{"role": "user", "content": "y" * 50}])
     assert small.bytes <= 300 and 0 < len(small) < 10
     assert not ResponseStore(max_entries=0).enabled
+
+
+def test_one_key_evicts_its_own_responses_before_anyone_elses():
+    store = ResponseStore(max_entries=4, max_bytes=10_000)
+    resp = lambda i: {"id": f"resp_{i}", "output": []}
+    store.put("bob", resp("b0"), [])
+    for i in range(20):  # alice floods the store
+        assert store.put("alice", resp(i), [])
+    assert store.get("bob", "resp_b0") is not None and store.held("alice") == 3 and len(store) == 4
+    assert store.get("alice", "resp_19") is not None and store.get("alice", "resp_16") is None
+    small = ResponseStore(max_entries=100, max_bytes=400)
+    small.put("bob", resp("b1"), [{"role": "user", "content": "b" * 50}])
+    for i in range(10):
+        small.put("alice", resp(i), [{"role": "user", "content": "a" * 50}])
+    assert small.bytes <= 400 and small.get("bob", "resp_b1") is not None and small.held("alice") >= 1
+    assert small.delete("bob", "resp_b1") and small.held("bob") == 0 and small.bytes == sum(
+        e.size for e in small._tenants["alice"].values())
 
 
 def test_store_bounds_come_from_the_environment(monkeypatch):

@@ -15,12 +15,15 @@ than "none"), `message` (one `output_text` part) and `function_call` items.
 DEEPINFER_RESPONSES_STORE_ENTRIES, default 1000, 0 turns storing off; DEEPINFER_RESPONSES_STORE_BYTES, default
 256 MiB), so `previous_response_id` can continue its conversation and GET / DELETE can find it. A stored
 response belongs to the API key that created it (with API keys configured): others get a 404 / 400 as for an
-unknown id. The store does not survive a restart, and an evicted response is as unknown as a deleted one.
+unknown id; over a bound the key holding the most loses its least recently used response. The store does
+not survive a restart, and an evicted response is as unknown as a deleted one.
 
 Invariants:
 - streamed and non-streamed output items are built by the same code (ResponseDraft) from the same deltas
   (the non-streamed chat message is replayed as one reasoning, one content and its call deltas), so a stream's
-  completed items equal the non-streamed ones of the same generation (ids aside);
+  completed items equal the non-streamed ones of the same generation (ids aside), in one order: the reasoning,
+  the message (all of the content, text written after a call included), then the function calls (a streamed
+  call's events come when the generation ends, as the whole message's calls do);
 - every streamed event carries sequence_number 0, 1, 2, ... in order; the stream starts with
   response.created and response.in_progress and ends with exactly one of response.completed,
   response.incomplete and response.failed (after an `error` event), and every item added is done before it;
@@ -162,37 +165,40 @@ def _parse_item(i: int, raw: dict[str, Any]) -> BaseModel:
 
 
 def input_messages(value: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Input items as chat messages: consecutive function calls join one assistant message (with the text
-    before them), a function_call_output is a tool message, a reasoning item becomes the next assistant
-    message's reasoning_content."""
+    """Input items as chat messages: a function_call_output is a tool message; a function call joins the
+    assistant message before it (its text, earlier calls); a reasoning item opens the next assistant turn
+    (its message or calls) and is that turn's reasoning_content. Reasoning followed by no assistant item
+    belongs to no turn of the prompt and is dropped."""
     if isinstance(value, str):
         return [{"role": "user", "content": value}]
     if not value:
         raise bad_request("input must not be empty", param="input")
     messages: list[dict[str, Any]] = []
-    reasoning: str | None = None
+    reasoning: str | None = None  # pending: the next assistant item starts a turn of its own
     for i, raw in enumerate(value):
         item, where = _parse_item(i, raw), f"input[{i}]"
         if isinstance(item, ReasoningInput):
-            reasoning = "".join(_reasoning_texts(item, where))
+            reasoning = (reasoning or "") + "".join(_reasoning_texts(item, where))
             continue
-        if isinstance(item, FunctionCallOutputInput):
-            messages.append({"role": "tool", "tool_call_id": item.call_id, "content": _text_of(item.output, where)})
-            continue
-        if isinstance(item, FunctionCallInput):
-            call = {"id": item.call_id, "type": "function",
-                    "function": {"name": item.name, "arguments": item.arguments}}
-            if messages and messages[-1]["role"] == "assistant":
-                messages[-1].setdefault("tool_calls", []).append(call)
-                continue
-            message: dict[str, Any] = {"role": "assistant", "content": None, "tool_calls": [call]}
-        else:
-            role = "system" if item.role == "developer" else item.role
-            message = {"role": role, "content": _text_of(item.content, where)}
-        if message["role"] == "assistant" and reasoning is not None:
+        message = _item_message(item, where)
+        if message["role"] != "assistant":
+            reasoning = None
+        elif reasoning is not None:
             message["reasoning_content"], reasoning = reasoning, None
+        elif "tool_calls" in message and messages and messages[-1]["role"] == "assistant":
+            messages[-1].setdefault("tool_calls", []).extend(message["tool_calls"])
+            continue
         messages.append(message)
     return messages
+
+
+def _item_message(item: BaseModel, where: str) -> dict[str, Any]:
+    if isinstance(item, FunctionCallOutputInput):
+        return {"role": "tool", "tool_call_id": item.call_id, "content": _text_of(item.output, where)}
+    if isinstance(item, FunctionCallInput):
+        call = {"id": item.call_id, "type": "function", "function": {"name": item.name, "arguments": item.arguments}}
+        return {"role": "assistant", "content": None, "tool_calls": [call]}
+    return {"role": "system" if item.role == "developer" else item.role, "content": _text_of(item.content, where)}
 
 
 def _reasoning_texts(item: ReasoningInput, where: str) -> list[str]:
@@ -297,7 +303,8 @@ def responses_error(e: APIError) -> APIError:
 class ResponseDraft:
     """A response built from chat deltas (reasoning, content, whole tool calls), with the stream's events
     when `stream`. Items are opened by their first delta and done when another kind of item starts or the
-    response finishes; a function call is added and done at once (the chat parsers send calls whole)."""
+    response finishes; function calls wait for the end (so content after a call stays in the one message)
+    and are then added and done at once (the chat parsers send calls whole)."""
 
     def __init__(self, response: dict[str, Any], stream: bool):
         self.response, self.stream = response, stream
@@ -305,6 +312,7 @@ class ResponseDraft:
         self.current: dict[str, Any] | None = None
         self.sequence = 0
         self.pending: list[str] = []  # SSE events not yet sent
+        self.calls: list[tuple[str, str, str]] = []  # (call_id, name, arguments), added by finish
         self.finish_reason: str | None = None
         self.usage: dict[str, int] | None = None
         self.error: dict[str, Any] | None = None
@@ -351,6 +359,9 @@ class ResponseDraft:
                   delta=text, logprobs=[])
 
     def call(self, call_id: str, name: str, arguments: str) -> None:
+        self.calls.append((call_id, name, arguments))
+
+    def _add_call(self, call_id: str, name: str, arguments: str) -> None:
         item = self._open({"id": _id("fc"), "type": "function_call", "status": "in_progress", "call_id": call_id,
                            "name": name, "arguments": ""})
         if arguments:
@@ -395,6 +406,8 @@ class ResponseDraft:
             self.fail({"code": "server_error", "message": f"the request was {reason}"})
         incomplete = self.error is None and self.finish_reason == "length"
         self._close("incomplete" if incomplete or self.error is not None else "completed")
+        for call in self.calls:  # whole calls: completed even when the response is not
+            self._add_call(*call)
         if self.error is None and not any(i["type"] in ("message", "function_call") for i in self.output):
             self._open_message()
             self._close("incomplete" if incomplete else "completed")
@@ -482,14 +495,18 @@ class Stored:
 
 
 class ResponseStore:
-    """Finished responses by id, least recently used first out, bounded by count and by (JSON) size.
-    Invariant: len <= max_entries and the sizes sum to <= max_bytes."""
+    """Finished responses by id, bounded by count and by (JSON) size over all tenants (API keys). Over a
+    bound, the tenant holding the most (responses, or bytes for the byte bound) loses its least recently used
+    response: a tenant's traffic evicts its own responses first, and one holding at most its fair share
+    (bound / tenants) is never evicted by another's. Invariant: len <= max_entries and the sizes sum to
+    <= max_bytes; each tenant's responses are in least recently used order."""
 
     def __init__(self, max_entries: int = DEFAULT_STORE_ENTRIES, max_bytes: int = DEFAULT_STORE_BYTES):
         if max_entries < 0 or max_bytes < 0:
             raise ValueError("the response store's bounds must be >= 0")
         self.max_entries, self.max_bytes = max_entries, max_bytes
-        self._entries: OrderedDict[str, Stored] = OrderedDict()
+        self._tenants: dict[str | None, OrderedDict[str, Stored]] = {}
+        self._tenant_bytes: dict[str | None, int] = {}
         self.bytes = 0
 
     @classmethod
@@ -509,35 +526,52 @@ class ResponseStore:
         return self.max_entries > 0 and self.max_bytes > 0
 
     def __len__(self) -> int:
-        return len(self._entries)
+        return sum(map(len, self._tenants.values()))
+
+    def held(self, tenant: str | None) -> int:
+        """How many responses `tenant` has stored."""
+        return len(self._tenants.get(tenant, ()))
 
     def put(self, tenant: str | None, response: dict[str, Any], history: list[dict[str, Any]]) -> bool:
-        """Keeps the response (evicting the least recently used); False when it alone exceeds the byte bound."""
+        """Keeps the response (evicting as above); False when it alone exceeds the byte bound."""
         size = len(_dumps(response)) + len(_dumps(history))
         if not self.enabled or size > self.max_bytes:
             return False
         self.delete(tenant, response["id"])
-        self._entries[response["id"]] = Stored(tenant, response, history, size)
-        self.bytes += size
-        while len(self._entries) > self.max_entries or self.bytes > self.max_bytes:
-            _, evicted = self._entries.popitem(last=False)
-            self.bytes -= evicted.size
+        self._tenants.setdefault(tenant, OrderedDict())[response["id"]] = Stored(tenant, response, history, size)
+        self._account(tenant, size)
+        while len(self) > self.max_entries:
+            self._evict(max(self._tenants, key=self.held))
+        while self.bytes > self.max_bytes:
+            self._evict(max(self._tenant_bytes, key=self._tenant_bytes.__getitem__))
         return True
 
     def get(self, tenant: str | None, response_id: str) -> Stored | None:
-        entry = self._entries.get(response_id)
-        if entry is None or entry.tenant != tenant:
+        entries = self._tenants.get(tenant)
+        if entries is None or response_id not in entries:
             return None
-        self._entries.move_to_end(response_id)
-        return entry
+        entries.move_to_end(response_id)
+        return entries[response_id]
 
     def delete(self, tenant: str | None, response_id: str) -> bool:
         entry = self.get(tenant, response_id)
         if entry is None:
             return False
-        del self._entries[response_id]
-        self.bytes -= entry.size
+        self._remove(tenant, response_id)
         return True
+
+    def _evict(self, tenant: str | None) -> None:
+        self._remove(tenant, next(iter(self._tenants[tenant])))
+
+    def _remove(self, tenant: str | None, response_id: str) -> None:
+        entry = self._tenants[tenant].pop(response_id)
+        self._account(tenant, -entry.size)
+        if not self._tenants[tenant]:
+            del self._tenants[tenant], self._tenant_bytes[tenant]
+
+    def _account(self, tenant: str | None, size: int) -> None:
+        self._tenant_bytes[tenant] = self._tenant_bytes.get(tenant, 0) + size
+        self.bytes += size
 
 
 # --- the endpoint ----------------------------------------------------------------------------------
