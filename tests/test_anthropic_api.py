@@ -384,6 +384,19 @@ def test_blocks_stream_shapes():
     assert _events(items + bad.close())[1]["delta"]["partial_json"] == "{}"
 
 
+def test_text_after_a_call_stays_in_the_one_text_block_before_the_tool_use():
+    """The streamed blocks are the whole message's: thinking, text (all of it), then tool_use."""
+    blocks = _Blocks(single_call=False)
+    items = blocks.feed({"content": "a"})
+    items += blocks.feed({"tool_calls": [{"index": 0, "id": "t", "function": {"name": "f", "arguments": "{}"}}]})
+    items += blocks.feed({"content": "b"}) + blocks.close()
+    events = _events(items)
+    starts = [e["content_block"]["type"] for e in events if e["type"] == "content_block_start"]
+    texts = [e["delta"]["text"] for e in events if e["type"] == "content_block_delta" and e["index"] == 0]
+    assert starts == ["text", "tool_use"] and texts == ["a", "b"]
+    assert [e["type"] for e in events[-3:]] == ["content_block_start", "content_block_delta", "content_block_stop"]
+
+
 def test_error_statuses():
     assert error_status(APIError(400, "x")) == (400, "invalid_request_error")
     assert error_status(APIError(401, "x")) == (401, "authentication_error")

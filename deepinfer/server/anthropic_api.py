@@ -229,13 +229,15 @@ def event(name: str, data: dict[str, Any], ascii_only: bool = False) -> str:
 
 
 class _Blocks:
-    """A stream's content blocks: each chat delta (reasoning, content, tool calls) continues the open block
-    of its kind or closes it and opens the next. A tool call's input goes out as one input_json_delta when
-    its block closes (calls arrive whole, and a continuation delta would only extend the arguments)."""
+    """A stream's content blocks: each chat delta (reasoning, content) continues the open block of its kind or
+    closes it and opens the next. Tool calls wait for the end, as in the whole message (thinking, text, then
+    tool_use: text written after a call stays in the one text block); each goes out as a tool_use block with
+    one input_json_delta (calls arrive whole, and a continuation delta would only extend the arguments)."""
 
     def __init__(self, single_call: bool):
         self.single_call, self.index, self.kind = single_call, -1, None
-        self.arguments, self.calls, self.skipping = "", 0, False
+        self.pending: list[dict[str, Any]] = []  # tool_use blocks (with their arguments) for close()
+        self.calls, self.skipping = 0, False
 
     def feed(self, delta: dict[str, Any]) -> list[str]:
         out = []
@@ -246,33 +248,41 @@ class _Blocks:
             out += self._open("text", {"type": "text", "text": ""})
             out.append(self._delta({"type": "text_delta", "text": delta["content"]}))
         for call in delta.get("tool_calls") or ():
-            function = call.get("function") or {}
-            if call.get("id") is None:  # a continuation of the open call
-                self.arguments += "" if self.skipping else function.get("arguments") or ""
-                continue
-            self.calls += 1
-            self.skipping = self.single_call and self.calls > 1  # disable_parallel_tool_use: the first call only
-            if not self.skipping:
-                out += self._open("tool_use", {"type": "tool_use", "id": call["id"], "name": function.get("name"),
-                                               "input": {}})
-                self.arguments = function.get("arguments") or ""
+            self._call(call)
         return out
 
+    def _call(self, call: dict[str, Any]) -> None:
+        function = call.get("function") or {}
+        if call.get("id") is None:  # a continuation of the last call
+            if self.pending and not self.skipping:
+                self.pending[-1]["arguments"] += function.get("arguments") or ""
+            return
+        self.calls += 1
+        self.skipping = self.single_call and self.calls > 1  # disable_parallel_tool_use: the first call only
+        if not self.skipping:
+            self.pending.append({"id": call["id"], "name": function.get("name"),
+                                 "arguments": function.get("arguments") or ""})
+
     def close(self) -> list[str]:
+        out = self._stop()
+        for call in self.pending:
+            out += self._open("tool_use", {"type": "tool_use", "id": call["id"], "name": call["name"], "input": {}})
+            partial = json.dumps(tool_input(call["arguments"]), ensure_ascii=False)
+            out.append(self._delta({"type": "input_json_delta", "partial_json": partial}))
+            out += self._stop()
+        self.pending = []
+        return out
+
+    def _stop(self) -> list[str]:
         if self.kind is None:
             return []
-        out = []
-        if self.kind == "tool_use":
-            partial = json.dumps(tool_input(self.arguments), ensure_ascii=False)
-            out.append(self._delta({"type": "input_json_delta", "partial_json": partial}))
         self.kind = None
-        out.append(event("content_block_stop", {"type": "content_block_stop", "index": self.index}))
-        return out
+        return [event("content_block_stop", {"type": "content_block_stop", "index": self.index})]
 
     def _open(self, kind: str, block: dict[str, Any]) -> list[str]:
         if kind == self.kind and kind != "tool_use":
             return []
-        out = self.close()
+        out = self._stop()
         self.index, self.kind = self.index + 1, kind
         out.append(event("content_block_start", {"type": "content_block_start", "index": self.index,
                                                  "content_block": block}))
