@@ -397,6 +397,14 @@ def test_text_after_a_call_stays_in_the_one_text_block_before_the_tool_use():
     assert [e["type"] for e in events[-3:]] == ["content_block_start", "content_block_delta", "content_block_stop"]
 
 
+def test_tool_input_takes_json_proper_only():
+    from deepinfer.server.anthropic_api import tool_input
+
+    assert tool_input('{"x": 1.5}') == {"x": 1.5}
+    for bad in ('{"x": NaN}', '{"x": Infinity}', '{"x": 1e999}', "[1]", "{"):
+        assert tool_input(bad) == {}
+
+
 def test_error_statuses():
     assert error_status(APIError(400, "x")) == (400, "invalid_request_error")
     assert error_status(APIError(401, "x")) == (401, "authentication_error")

@@ -420,6 +420,33 @@ def test_streaming_work_grows_with_the_deltas_not_the_output(fmt, monkeypatch):
     assert max(outside) < 100
 
 
+@pytest.mark.parametrize("fmt", DSML_FORMATS, ids=lambda f: f.name)
+def test_whitespace_after_a_block_is_read_once(fmt):
+    """A run of whitespace after a block with calls is held outside the text (it may still become content):
+    the stream's text stays short, and the result is the one-shot parse's, for either ending."""
+    m = fmt.markup
+    block = f"{m.open}\n{_invoke(fmt, 'f', '')}\n{m.close}"
+    for ending in ("", "done", f"{m.open}x{m.close}"):
+        text = block + "\n" * 5000 + ending
+        held: list[int] = []
+        got_content, got_calls = _pieces_with(fmt.stream(), text, held)
+        content, calls = fmt.parse(text)
+        assert got_content == content and [c[1] for c in got_calls] == [c.name for c in calls] == ["f"]
+        assert max(held[len(block):len(block) + 5000]) < 50
+
+
+@pytest.mark.parametrize("fmt", DSML_FORMATS, ids=lambda f: f.name)
+def test_non_json_numbers_are_malformed_values(fmt):
+    """NaN / Infinity / 1e999 are not JSON (a strict client, or a JSON encoder, refuses them): the invoke
+    comes back as content."""
+    m = fmt.markup
+    for value in ("NaN", "-Infinity", "1e999", "[1, NaN]"):
+        text = "\n\n" + m.open + "\n" + _invoke(fmt, "f", f'{m.param} name="x" string="false">{value}{m.param_close}') \
+            + "\n" + m.close
+        content, calls = fmt.parse(text)
+        assert calls == [] and content == text
+
+
 def _pieces_with(stream, text: str, held: list) -> tuple[str, list]:
     content, calls = "", []
     for i, ch in enumerate(text):

@@ -43,6 +43,7 @@ from deepinfer.server.anthropic_protocol import (
 from deepinfer.server.errors import APIError, _validation_error, bad_request
 from deepinfer.server.protocol import ChatCompletionRequest, ChatMessage, FunctionDefinition, Tool
 from deepinfer.server.serving import ChatShape, Choice, Job, Serving, sse
+from deepinfer.server.tools import loads_strict
 
 logger = logging.getLogger("deepinfer")
 
@@ -217,7 +218,7 @@ def tool_input(arguments: str) -> dict[str, Any]:
     """A call's arguments as Anthropic's `input` object; text that is not a JSON object reads as {} (only
     unforced calls can be malformed: any / tool calls follow their schema by grammar)."""
     try:
-        value = json.loads(arguments)
+        value = loads_strict(arguments)
     except ValueError:
         return {}
     return value if isinstance(value, dict) else {}

@@ -50,6 +50,7 @@ from deepinfer.server.reasoning import THINK_END, THINK_START, _partial_suffix
 from deepinfer.server.tools import (
     ParsedCall,
     ToolCallStream,
+    loads_strict,
     markers_constraint,
     message_tool_calls,
     new_call_id,
@@ -149,6 +150,7 @@ class DSMLScanner:
         self.pos = 0  # text[:pos] is decided
         self.in_block = False
         self.after_block = False  # the previous block had calls: whitespace up to the next block is structure
+        self.spaces: list[str] = []  # whitespace since that block, undecided (not in text[pos:])
         self.raw_start = 0  # the current block's raw text starts here (its leading newlines included)
         self.block_calls = 0
         self.pending: list[str] = []  # content of the current block before its first call
@@ -172,23 +174,12 @@ class DSMLScanner:
 
     # outside a block: content, up to the next block
     def _outside_step(self, text: str, final: bool) -> list | None:
+        if self.after_block:
+            return self._after_block(text, final)
         start = self.pos
         if start >= len(text):
             return None
         j = text.find(self.m.open, start)
-        if self.after_block:
-            head = text[start:j if j >= 0 else len(text)]
-            if not head.strip():  # whitespace between blocks, or after the last: structure
-                if j >= 0:
-                    self._enter_block(j, j)
-                    return []
-                if not final:
-                    return None
-                self.pos = len(text)
-                return []
-            if j < 0 and not final and _prefix_of(head.lstrip(), 0, self.m.open):
-                return None  # whitespace, then what may yet be the next block's opening tag
-            self.after_block = False
         if j < 0:
             tail = text[max(start, len(text) - 64):]
             keep = 0 if final else max(_partial_suffix(tail, v) for v in self._open_variants)
@@ -201,6 +192,26 @@ class DSMLScanner:
         newlines = min(2, len(head) - len(head.rstrip("\n")))  # the block's own "\n\n"
         self._enter_block(j - newlines, j)
         return [head[:len(head) - newlines]] if len(head) > newlines else []
+
+    def _after_block(self, text: str, final: bool) -> list | None:
+        """After a block with calls: whitespace up to the next block, or to the end, is structure; before
+        other text it is content. Whitespace is moved out of the text as it comes (`spaces`), so a run of it
+        is read once."""
+        start = self.pos
+        k = len(text) - len(text[start:].lstrip())
+        if k > start:
+            self.spaces.append(text[start:k])
+            self.pos = k
+        if k == len(text):
+            return None
+        if text.startswith(self.m.open, k):
+            self.spaces, self.after_block = [], False
+            self._enter_block(k, k)
+            return []
+        if not final and _prefix_of(text, k, self.m.open):
+            return None  # what may yet be the next block's opening tag
+        spaces, self.spaces, self.after_block = "".join(self.spaces), [], False
+        return [spaces] if spaces else []
 
     def _enter_block(self, raw_start: int, j: int) -> None:
         self.in_block, self.raw_start, self.pos = True, raw_start, j + len(self.m.open)
@@ -306,7 +317,7 @@ class DSMLScanner:
         if kind == 'true">':
             return key, to_json(raw), close + len(self.m.param_close)
         try:
-            json.loads(raw)
+            loads_strict(raw)
         except ValueError:
             return None
         return key, raw.strip(), close + len(self.m.param_close)

@@ -202,6 +202,23 @@ def _fenced_call(body: str, complete: bool, final: bool) -> ParsedCall:
     return ParsedCall(name.strip(), rest[: len(rest) - _partial_suffix(rest, _FENCE_CLOSE + CALL_END)], False)
 
 
+def loads_strict(text: str) -> Any:
+    """json.loads of JSON proper: NaN, Infinity and numbers beyond float range (which Python's parser takes,
+    and JSON encoders with allow_nan=False refuse) are a ValueError."""
+    return json.loads(text, parse_constant=_not_json, parse_float=_finite)
+
+
+def _not_json(word: str) -> Any:
+    raise ValueError(f"{word} is not JSON")
+
+
+def _finite(text: str) -> float:
+    value = float(text)
+    if value in (float("inf"), float("-inf")):
+        raise ValueError(f"{text} is out of range")
+    return value
+
+
 def new_call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
 
