@@ -387,6 +387,13 @@ def test_a_reasoning_item_opens_the_assistant_turn_after_it():
     messages = input_messages([think, think, call, {**call, "call_id": "c2"}])  # one turn: joined, both calls
     assert len(messages) == 1 and messages[0]["reasoning_content"] == "use adduse add"
     assert [c["id"] for c in messages[0]["tool_calls"]] == ["c1", "c2"]
+    # reasoning before each of one turn's parallel calls: still one turn, its results after it
+    result = {"type": "function_call_output", "call_id": "c1", "output": "3"}
+    messages = input_messages([{"role": "user", "content": "a"}, think, call, think, {**call, "call_id": "c2"},
+                               result, {**result, "call_id": "c2"}])
+    assert [m["role"] for m in messages] == ["user", "assistant", "tool", "tool"]
+    assert [c["id"] for c in messages[1]["tool_calls"]] == ["c1", "c2"]
+    assert messages[1]["reasoning_content"] == "use adduse add"
 
 
 def _draft(stream: bool) -> ResponseDraft:
@@ -487,6 +494,19 @@ def test_one_key_evicts_its_own_responses_before_anyone_elses():
         e.size for e in small._tenants["alice"].values())
 
 
+def test_the_response_being_stored_is_kept():
+    store = ResponseStore(max_entries=100, max_bytes=600)
+    for i in range(3):
+        store.put("A", {"id": f"a{i}", "x": "y" * 100}, [])
+    assert store.put("B", {"id": "b0", "x": "z" * 400}, [])
+    assert store.get("B", "b0") is not None and store.bytes <= 600 and store.get("A", "a0") is None
+    store.put("B", {"id": "b1", "x": "z" * 400}, [])  # B's own older response goes first
+    assert store.get("B", "b1") is not None and store.get("B", "b0") is None and store.held("A") >= 1
+    one = ResponseStore(max_entries=1)
+    one.put("A", {"id": "a"}, [])
+    assert one.put("B", {"id": "b"}, []) and one.get("B", "b") is not None and len(one) == 1
+
+
 def test_store_bounds_come_from_the_environment(monkeypatch):
     monkeypatch.setenv("DEEPINFER_RESPONSES_STORE_ENTRIES", "5")
     monkeypatch.setenv("DEEPINFER_RESPONSES_STORE_BYTES", "1234")
@@ -517,6 +537,8 @@ def test_reasoning_effort_reaches_the_template_as_reasoning_effort():
     assert kwargs({"effort": "minimal"})["reasoning_effort"] == "low"
     assert kwargs({"effort": "none"}) == {"thinking": False, "enable_thinking": False}
     assert kwargs({}) == {"thinking": True, "enable_thinking": True}
+    assert kwargs(None) == {"thinking": False, "enable_thinking": False}  # V4.1 would think by default
+    assert kwargs(None, {"thinking": True})["thinking"] is True
     assert kwargs({"effort": "max"}, {"reasoning_effort": 60})["reasoning_effort"] == 60  # explicit kwargs win
     with pytest.raises(APIError, match="reasoning.effort"):
         kwargs({"effort": "extreme"})

@@ -447,6 +447,21 @@ def test_non_json_numbers_are_malformed_values(fmt):
         assert calls == [] and content == text
 
 
+@pytest.mark.parametrize("fmt", [*DSML_FORMATS, FORMATS["deepseek_v31"]], ids=lambda f: f.name)
+def test_parallel_tool_calls_false_keeps_the_first_call(fmt):
+    """OpenAI's parallel_tool_calls false: at most one call, streamed or not (tool_choice auto too)."""
+    two = fmt.render_calls([("f", {"a": 1}), ("g", {})]) if hasattr(fmt, "render_calls") else (
+        f"{CALLS_BEGIN}{CALL_BEGIN}f{SEP}{{}}{CALL_END}{CALL_BEGIN}g{SEP}{{}}{CALL_END}{CALLS_END}")
+    one = ToolSetup(TOOLS, "auto", parallel=False, format=fmt)
+    both = ToolSetup(TOOLS, "auto", parallel=True, format=fmt)
+    assert [c["function"]["name"] for c in one.message(two)[1]] == ["f"]
+    assert [c["function"]["name"] for c in both.message(two)[1]] == ["f", "g"]
+    stream = one.new_stream()
+    calls = [d for ch in two for d in stream.feed(ch)[1]] + stream.feed("", final=True)[1]
+    assert [d["function"]["name"] for d in calls if d.get("function", {}).get("name")] == ["f"]
+    assert stream.num_calls == 1
+
+
 def _pieces_with(stream, text: str, held: list) -> tuple[str, list]:
     content, calls = "", []
     for i, ch in enumerate(text):

@@ -167,8 +167,9 @@ def _parse_item(i: int, raw: dict[str, Any]) -> BaseModel:
 def input_messages(value: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Input items as chat messages: a function_call_output is a tool message; a function call joins the
     assistant message before it (its text, earlier calls); a reasoning item opens the next assistant turn
-    (its message or calls) and is that turn's reasoning_content. Reasoning followed by no assistant item
-    belongs to no turn of the prompt and is dropped."""
+    (its message or calls) and is that turn's reasoning_content, except between the calls of one turn
+    (right after a call), where it is more of that turn's reasoning. Reasoning followed by no assistant
+    item belongs to no turn of the prompt and is dropped."""
     if isinstance(value, str):
         return [{"role": "user", "content": value}]
     if not value:
@@ -178,7 +179,11 @@ def input_messages(value: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
     for i, raw in enumerate(value):
         item, where = _parse_item(i, raw), f"input[{i}]"
         if isinstance(item, ReasoningInput):
-            reasoning = (reasoning or "") + "".join(_reasoning_texts(item, where))
+            text = "".join(_reasoning_texts(item, where))
+            if reasoning is None and _calling(messages):  # between one turn's calls: still that turn
+                messages[-1]["reasoning_content"] = (messages[-1].get("reasoning_content") or "") + text
+            else:
+                reasoning = (reasoning or "") + text
             continue
         message = _item_message(item, where)
         if message["role"] != "assistant":
@@ -190,6 +195,11 @@ def input_messages(value: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
             continue
         messages.append(message)
     return messages
+
+
+def _calling(messages: list[dict[str, Any]]) -> bool:
+    """The last message is an assistant turn with calls and no results yet (the turn is not over)."""
+    return bool(messages) and messages[-1]["role"] == "assistant" and bool(messages[-1].get("tool_calls"))
 
 
 def _item_message(item: BaseModel, where: str) -> dict[str, Any]:
@@ -257,9 +267,9 @@ EFFORTS = {"minimal": "low", "low": "low", "medium": "high", "high": "high", "xh
 
 
 def template_kwargs(body: ResponsesRequest) -> dict[str, Any] | None:
-    """`reasoning` turns thinking on (effort "none": off) and passes its effort on as reasoning_effort (which
-    V4.1's template renders and V4's reads for "max"); explicit chat_template_kwargs win."""
-    kwargs: dict[str, Any] = {}
+    """Thinking is on only with `reasoning` (effort "none": off), whose effort goes on as reasoning_effort
+    (which V4.1's template renders and V4's reads for "max"); explicit chat_template_kwargs win."""
+    kwargs: dict[str, Any] = {"thinking": False, "enable_thinking": False}  # as documented (V4.1 would think)
     if body.reasoning is not None:
         effort = body.reasoning.effort
         on = effort != "none"
@@ -270,7 +280,7 @@ def template_kwargs(body: ResponsesRequest) -> dict[str, Any] | None:
                                   param="reasoning.effort")
             kwargs["reasoning_effort"] = EFFORTS[effort]
     kwargs.update(body.chat_template_kwargs or {})
-    return kwargs or None
+    return kwargs
 
 
 def chat_request(body: ResponsesRequest, messages: list[dict[str, Any]],
@@ -498,8 +508,9 @@ class ResponseStore:
     """Finished responses by id, bounded by count and by (JSON) size over all tenants (API keys). Over a
     bound, the tenant holding the most (responses, or bytes for the byte bound) loses its least recently used
     response: a tenant's traffic evicts its own responses first, and one holding at most its fair share
-    (bound / tenants) is never evicted by another's. Invariant: len <= max_entries and the sizes sum to
-    <= max_bytes; each tenant's responses are in least recently used order."""
+    (bound / tenants) is never evicted by another's; the response being stored is never the one evicted.
+    Invariant: len <= max_entries and the sizes sum to <= max_bytes; each tenant's responses are in least
+    recently used order."""
 
     def __init__(self, max_entries: int = DEFAULT_STORE_ENTRIES, max_bytes: int = DEFAULT_STORE_BYTES):
         if max_entries < 0 or max_bytes < 0:
@@ -541,10 +552,15 @@ class ResponseStore:
         self._tenants.setdefault(tenant, OrderedDict())[response["id"]] = Stored(tenant, response, history, size)
         self._account(tenant, size)
         while len(self) > self.max_entries:
-            self._evict(max(self._tenants, key=self.held))
+            self._evict(self._heaviest(tenant, self.held))
         while self.bytes > self.max_bytes:
-            self._evict(max(self._tenant_bytes, key=self._tenant_bytes.__getitem__))
+            self._evict(self._heaviest(tenant, self._tenant_bytes.__getitem__))
         return True
+
+    def _heaviest(self, putting: str | None, weight) -> str | None:
+        """The tenant holding the most that has a response older than the one being put (which stays: it
+        alone fits both bounds, so another always exists while a bound is exceeded)."""
+        return max((t for t in self._tenants if t != putting or len(self._tenants[t]) > 1), key=weight)
 
     def get(self, tenant: str | None, response_id: str) -> Stored | None:
         entries = self._tenants.get(tenant)

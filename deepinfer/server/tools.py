@@ -58,12 +58,30 @@ class ToolSetup:
         return markers_constraint(self, tokenizer)
 
     def new_stream(self):
-        """A streaming parser of one choice's output."""
-        return self.format.stream() if self.format is not None else ToolCallStream()
+        """A streaming parser of one choice's output (the first call only without parallel calls)."""
+        stream = self.format.stream() if self.format is not None else ToolCallStream()
+        return stream if self.parallel else FirstCallOnly(stream)
 
     def message(self, text: str) -> tuple[str | None, list[dict[str, Any]]]:
-        """A finished output's (content, OpenAI tool_calls)."""
-        return self.format.message(text) if self.format is not None else message_tool_calls(text)
+        """A finished output's (content, OpenAI tool_calls); parallel_tool_calls false: the first call only
+        (OpenAI's "at most one call"; forced calls are held to one by their grammar)."""
+        content, calls = self.format.message(text) if self.format is not None else message_tool_calls(text)
+        return content, calls if self.parallel else calls[:1]
+
+
+class FirstCallOnly:
+    """A tool-call stream passing its content and its first call's deltas, as ToolSetup.message keeps."""
+
+    def __init__(self, stream):
+        self.stream = stream
+
+    @property
+    def num_calls(self) -> int:
+        return min(1, self.stream.num_calls)
+
+    def feed(self, delta: str, final: bool = False) -> tuple[str, list[dict[str, Any]]]:
+        content, deltas = self.stream.feed(delta, final)
+        return content, [d for d in deltas if d.get("index") == 0]
 
 
 def markers_constraint(setup: ToolSetup, tokenizer, fenced: bool = False) -> dict[str, str] | None:
