@@ -36,6 +36,21 @@ def test_paged_pool_round_trip(dtype):
     assert pool.read(torch.tensor([0])).abs().sum() == 0
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.int8])
+def test_reading_whole_blocks_equals_reading_their_rows(dtype):
+    """read_blocks (fixed-shape MLA steps off CUDA) gives the rows read() gives for the same positions."""
+    from deepinfer.layers.kv_quant import PagedPool
+
+    cache = {"p": torch.zeros(5, 4, 16, dtype=dtype)}
+    if dtype != torch.float32:
+        cache["p_scale"] = torch.zeros(5, 4, 1)
+    pool = PagedPool.of(cache, "p", 16, torch.float32)
+    pool.write(torch.arange(20), torch.randn(20, 16))
+    table = torch.tensor([[3, 0, 4], [1, 1, 2]])
+    rows = (table[:, :, None] * 4 + torch.arange(4)).flatten(1)
+    assert torch.equal(pool.read_blocks(table, 4), pool.read(rows))
+
+
 def test_unknown_kv_cache_dtype_is_rejected():
     with pytest.raises(ValueError, match="kv_cache_dtype"):
         storage_dtype("fp4", torch.float32)

@@ -57,3 +57,12 @@ class PagedPool:
         if self.scale is None:
             return self.data[rows]
         return (self.data[rows].float() * self.scale[rows]).to(self.out_dtype)
+
+    def read_blocks(self, table: torch.Tensor, block_size: int) -> torch.Tensor:
+        """[R, blocks * block_size, width]: the rows of each table row's blocks, in order. One index per block
+        (not per row), so a compiled gather copies whole blocks."""
+        data = self.data.view(-1, block_size, self.data.shape[-1])[table].flatten(1, 2)
+        if self.scale is None:
+            return data
+        scale = self.scale.view(-1, block_size, 1)[table].flatten(1, 2)
+        return (data.float() * scale).to(self.out_dtype)
