@@ -57,9 +57,11 @@ def test_compiled_decode_matches_eager_v4(v4, monkeypatch):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("options", [{}, {"async_scheduling": True}], ids=["sync", "async"])
+@pytest.mark.parametrize("options", [{}, {"async_scheduling": True}, {"max_num_batched_tokens": 16}],
+                         ids=["sync", "async", "chunked"])
 def test_compiled_batches_match_eager_v4(v4, monkeypatch, options):
-    """Batches of 3, 2 and 1 as requests finish: the dynamic-batch graph and the batch-1 one, no recompile."""
+    """Batches of 3, 2 and 1 as requests finish: the dynamic-batch graph and the batch-1 one, no recompile;
+    chunked: steps mixing decodes with a prefill chunk compile their decodes."""
     want = _generate(v4, True, 3, monkeypatch, max_num_seqs=4, **options)
     got = _generate(v4, False, 3, monkeypatch, max_num_seqs=4, **options)
     _assert_same(want, got)

@@ -16,6 +16,7 @@ from deepinfer.engine import core  # noqa: E402
 from deepinfer.layers.metadata import ForwardMeta  # noqa: E402
 from deepinfer.worker import cuda_graphs  # noqa: E402
 from deepinfer.worker.cuda_graphs import capture_sizes, pick_size, uniform_query_len  # noqa: E402
+from deepinfer.worker.model_runner import ModelRunner  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 OPTIONS = dict(block_size=16, load_progress=False, max_num_seqs=4, max_cuda_graph_batch_size=4, device=DEVICE,
@@ -68,13 +69,21 @@ def _generate(ckpt, repeat: bool = False, **options) -> tuple[list[list[int]], l
 @pytest.mark.parametrize("options", [{}, pytest.param({"async_scheduling": True}, marks=pytest.mark.slow)],
                          ids=["sync", "async"])
 def test_graph_replayed_decode_matches_eager(ckpt, monkeypatch, options):
+    """Prompts prefilled in chunks of 16 tokens, so some steps mix decodes with a prefill chunk: their decodes
+    replay as a batch of their own and only the chunk runs eagerly (ModelRunner._graphed_decodes)."""
     _force_kernels(monkeypatch)
+    options = {"max_num_batched_tokens": 16, **options}
     want, none = _generate(ckpt, enforce_eager=True, **options)
     assert none == []
     monkeypatch.setattr(core, "use_cuda_graphs", lambda model, args, device, proposer=None: not args.enforce_eager)
+    split = []
+    real = ModelRunner._graphed_decodes
+    monkeypatch.setattr(ModelRunner, "_graphed_decodes",
+                        lambda self, meta: (lambda d: split.append(d is not None) or d)(real(self, meta)))
     got, replays = _generate(ckpt, **options)
     assert got == want
     assert len(replays) >= 6  # every decode step after the prompts: batches of 3, 2 and 1 padded to 4, 2, 1
+    assert any(split)  # mixed steps whose decodes replayed
 
 
 @pytest.mark.slow

@@ -18,7 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from deepinfer.distributed.model_parallel import ModelParallel
-from deepinfer.layers.metadata import ForwardMeta
+from deepinfer.layers.metadata import ForwardMeta, sub_meta
 
 LANES = 2
 
@@ -35,18 +35,6 @@ def split_point(query_lens: list[int]) -> int:
         if best_gap is None or gap < best_gap:
             best, best_gap = r, gap
     return best
-
-
-def sub_meta(meta: ForwardMeta, lo: int, hi: int) -> ForwardMeta:
-    """Requests [lo, hi) of meta as a batch of their own (rows and request indices rebased)."""
-    a, b = meta.query_start[lo], meta.query_start[hi]
-    write_from = None if meta.paged_write_from is None else meta.paged_write_from[lo:hi]
-    return ForwardMeta(
-        input_ids=meta.input_ids[a:b], positions=meta.positions[a:b], token_req=meta.token_req[a:b] - lo,
-        block_table=meta.block_table[lo:hi], state_slots=meta.state_slots[lo:hi],
-        logits_indices=meta.logits_indices[:0], query_start=[q - a for q in meta.query_start[lo:hi + 1]],
-        seq_starts=meta.seq_starts[lo:hi], seq_lens=meta.seq_lens[lo:hi], block_size=meta.block_size,
-        paged_write_from=write_from)
 
 
 class TwoBatchForward:

@@ -93,3 +93,16 @@ class ForwardMeta:
         if key not in self.scratch:
             self.scratch[key] = fn()
         return self.scratch[key]
+
+
+def sub_meta(meta: ForwardMeta, lo: int, hi: int) -> ForwardMeta:
+    """Requests [lo, hi) of meta as a batch of their own (rows and request indices rebased)."""
+    a, b = meta.query_start[lo], meta.query_start[hi]
+    write_from = None if meta.paged_write_from is None else meta.paged_write_from[lo:hi]
+    prompt_lens = None if meta.prompt_lens is None else meta.prompt_lens[lo:hi]
+    return ForwardMeta(
+        input_ids=meta.input_ids[a:b], positions=meta.positions[a:b], token_req=meta.token_req[a:b] - lo,
+        block_table=meta.block_table[lo:hi], state_slots=meta.state_slots[lo:hi],
+        logits_indices=meta.logits_indices[:0], query_start=[q - a for q in meta.query_start[lo:hi + 1]],
+        seq_starts=meta.seq_starts[lo:hi], seq_lens=meta.seq_lens[lo:hi], block_size=meta.block_size,
+        paged_write_from=write_from, prompt_lens=prompt_lens)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from dataclasses import dataclass
@@ -11,7 +12,7 @@ import torch
 from deepinfer.engine.kv_cache import ForkCopy
 from deepinfer.engine.outputs import RunnerOutput, ScheduledRequest, SchedulerOutput
 from deepinfer.layers.batch_invariant import batch_invariant, forward_per_token, position_seed
-from deepinfer.layers.metadata import CacheTensorSpec, ForwardMeta
+from deepinfer.layers.metadata import CacheTensorSpec, ForwardMeta, sub_meta
 from deepinfer.spec.base import ProposeBatch, ProposeItem, Proposer
 from deepinfer.worker.rejection import verify_greedy, verify_random
 from deepinfer.worker.sampler import Sampler, SamplingBatch, compute_prompt_logprobs, make_generator
@@ -124,6 +125,10 @@ class ModelRunner:
         if self._graphed(meta):
             out = self.graphs.run(meta)
             hidden, draft_input = out[0], (out[1] if kind == "mtp" else out[0] if kind == "final" else None)
+        elif kind != "mtp" and (decodes := self._graphed_decodes(meta)) is not None:
+            rest = sub_meta(meta, decodes.num_reqs, meta.num_reqs)
+            hidden = torch.cat([self.graphs.run(decodes)[0], self.model(rest)])
+            draft_input = hidden if kind == "final" else None
         elif kind == "mtp":
             hidden, draft_input = self.model(meta, return_mtp_input=True)
         else:
@@ -135,6 +140,21 @@ class ModelRunner:
         """Whether this step replays a CUDA graph (decode / verify steps they cover; never two-batch overlap)."""
         return (self.graphs is not None and self.forward is self.model
                 and self.graphs.covers(meta))
+
+    def _graphed_decodes(self, meta: ForwardMeta) -> ForwardMeta | None:
+        """In a mixed step, its leading one-token decodes as a batch of their own when the graphs cover it: they
+        replay (compiled / captured) and only the rest (prefill chunks) runs eagerly, instead of the whole
+        step. Requests are independent in attention and row order is kept, so the hidden rows are the same."""
+        if self.graphs is None or self.forward is not self.model or meta.num_reqs < 2:
+            return None
+        lens = meta.query_lens()
+        r = next((i for i, n in enumerate(lens) if n != 1), len(lens))
+        if not 0 < r < len(lens):
+            return None
+        width = -(-max(meta.seq_lens[:r]) // meta.block_size)  # the decodes' own blocks, not the prefills'
+        decodes = sub_meta(meta, 0, r)
+        decodes = dataclasses.replace(decodes, block_table=decodes.block_table[:, :width])
+        return decodes if self.graphs.covers(decodes) else None
 
     def _prepare(self, scheduled: list[ScheduledRequest]):
         ids, positions, token_req, qstart = [], [], [], [0]
