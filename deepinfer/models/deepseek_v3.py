@@ -183,6 +183,18 @@ def static_plan(step: StaticStep, rotary: RotaryTable, interleave: bool) -> MLAS
     return MLAStep(rotary.cos[pos], rotary.sin[pos], step.slots_of(req, pos), decode, [], interleave)
 
 
+def decode_context(cache: PagedPool, batch: DecodeBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """(context rows [R, L, latent + rope], valid [R, L]), rows past a request's length zeroed (padding may
+    hold anything, even NaN, and masked probabilities must stay exact zeros). Whole blocks are read
+    through the block table in fixed-shape steps without a DSA selection (compiled, the gather then computes
+    an index per block, not per row: 2.6x faster steps on a 512 + 64 latent); otherwise (eager steps, DSA
+    selections) the rows of batch.slots."""
+    if not batch.whole_blocks or batch.attend is not None:
+        return cache.read(batch.slots).masked_fill(~batch.valid[..., None], 0), batch.valid
+    ctx = cache.read_blocks(batch.block_table, batch.block_size)  # valid spans the table's width too
+    return ctx.masked_fill(~batch.valid[..., None], 0), batch.valid
+
+
 # ---------------------------------------------------------------- modules (names = HF checkpoint names)
 
 
@@ -325,25 +337,13 @@ class MLAttention(nn.Module):
             o_c = mla_decode(q, cache.data, cache.scale, batch.block_table, batch.seq_lens, self.latent, self.scale,
                              batch.attend, block_size=batch.block_size)
             return torch.einsum("rhc,hvc->rhv", o_c, w_uv)
-        ctx, valid = self._context(cache, batch)
+        ctx, valid = decode_context(cache, batch)
         scores = torch.matmul(q, ctx.transpose(1, 2)) * self.scale
         attend = valid if batch.attend is None else batch.attend
         scores = scores.masked_fill(~attend[:, None], float("-inf"))
         probs = scores.softmax(dim=-1, dtype=torch.float32).to(ctx.dtype)
         o_c = torch.matmul(probs, ctx[..., : self.latent])
         return torch.einsum("rhc,hvc->rhv", o_c, w_uv)
-
-    @staticmethod
-    def _context(cache: PagedPool, batch: DecodeBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        """(context rows [R, L, latent + rope], valid [R, L]), rows past a request's length zeroed (padding may
-        hold anything, even NaN, and masked probabilities must stay exact zeros). Whole blocks are read
-        through the block table in fixed-shape steps without a DSA selection (compiled, the gather then computes
-        an index per block, not per row: 2.6x faster steps on a 512 + 64 latent); otherwise the rows of
-        batch.slots (eager: advanced indexing by rows measured faster there)."""
-        if not batch.whole_blocks or batch.attend is not None:
-            return cache.read(batch.slots).masked_fill(~batch.valid[..., None], 0), batch.valid
-        ctx = cache.read_blocks(batch.block_table, batch.block_size)  # valid spans the table's width too
-        return ctx.masked_fill(~batch.valid[..., None], 0), batch.valid
 
     def _expanded(self, q_nope, q_pe, cache: PagedPool, seq: PrefillSeq,
                   attend: torch.Tensor | None = None) -> torch.Tensor:
