@@ -54,12 +54,9 @@ import subprocess
 import sys
 import tarfile
 import tempfile
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-
-import httpx
 
 from deepinfer.bench.datasets import random_requests
 from deepinfer.bench.machine import machine_facts
@@ -68,7 +65,7 @@ from deepinfer.bench.serve import run_benchmark
 from deepinfer.llm import default_model_path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from serving_sweep import free_port  # noqa: E402
+from serving_sweep import free_port, stop_process, wait_ready  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
 MODEL_NAME = "peer"
@@ -265,27 +262,16 @@ class Running:
             self.proc = subprocess.Popen(self.argv, stdout=out, stderr=subprocess.STDOUT)
 
     def wait_ready(self, timeout: float) -> Running:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc is not None and self.proc.poll() is not None:
-                raise RuntimeError(f"{self.engine.name} exited:\n{self.log.read_text(errors='replace')[-2000:]}")
-            try:
-                if httpx.get(self.url + "/v1/models", timeout=2, trust_env=False).status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                pass
-            time.sleep(1)
-        raise RuntimeError(f"{self.engine.name} not ready after {timeout:.0f} s")
+        wait_ready(self.url, self.proc, timeout, self.tail)
+        return self
+
+    def tail(self) -> str:
+        log = self.log.read_text(errors="replace")[-2000:] if self.log.exists() else ""
+        return f"{self.engine.name}: {log}"
 
     def stop(self) -> None:
-        if self.proc is None:
-            return
-        self.proc.terminate()
-        try:
-            self.proc.wait(30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        if self.proc is not None:
+            stop_process(self.proc)
 
 
 def load(concurrency: int, seed: int):

@@ -70,28 +70,40 @@ class Server:
         return f"http://127.0.0.1:{self.port}"
 
     def wait_ready(self, timeout: float = 300.0) -> Server:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited:\n{self.tail()}")
-            try:
-                if httpx.get(self.url + "/v1/models", timeout=2, trust_env=False).status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        raise RuntimeError(f"server not ready after {timeout} s:\n{self.tail()}")
+        wait_ready(self.url, self.proc, timeout, self.tail)
+        return self
 
     def tail(self) -> str:
         return self.log.read_text(errors="replace")[-3000:]
 
     def stop(self) -> None:
-        self.proc.send_signal(signal.SIGINT)
+        stop_process(self.proc, signal.SIGINT)
+
+
+def wait_ready(url: str, proc: subprocess.Popen | None, timeout: float, tail) -> None:
+    """Until `url`/v1/models answers 200; RuntimeError (with `tail()`, the server's log) when `proc` exits or
+    `timeout` seconds pass first."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"server exited:\n{tail()}")
         try:
-            self.proc.wait(30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+            if httpx.get(url + "/v1/models", timeout=2, trust_env=False).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise RuntimeError(f"server not ready after {timeout:.0f} s:\n{tail()}")
+
+
+def stop_process(proc: subprocess.Popen, sig: int = signal.SIGTERM) -> None:
+    """`sig`, then a kill if it has not exited within 30 s."""
+    proc.send_signal(sig)
+    try:
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
 
 
 def sweep_args(url: str, path: Path, label: str, quick: bool) -> argparse.Namespace:

@@ -498,7 +498,6 @@ def assistant_turn(output: list[dict[str, Any]]) -> dict[str, Any]:
 # --- the store -------------------------------------------------------------------------------------
 @dataclass
 class Stored:
-    tenant: str | None
     response: dict[str, Any]
     history: list[dict[str, Any]]  # the conversation through this response (chat messages, no instructions)
     size: int
@@ -549,7 +548,7 @@ class ResponseStore:
         if not self.enabled or size > self.max_bytes:
             return False
         self.delete(tenant, response["id"])
-        self._tenants.setdefault(tenant, OrderedDict())[response["id"]] = Stored(tenant, response, history, size)
+        self._tenants.setdefault(tenant, OrderedDict())[response["id"]] = Stored(response, history, size)
         self._account(tenant, size)
         while len(self) > self.max_entries:
             self._evict(self._heaviest(tenant, self.held))
