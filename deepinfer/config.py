@@ -12,6 +12,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from deepinfer.quantization.spec import INT4_METHODS, Int4Spec, QuantConfigError, int4_spec
+
 if TYPE_CHECKING:
     from deepinfer.config_v41 import V41Config
 
@@ -106,6 +108,7 @@ class ModelConfig:
     rope: RopeConfig | None = None
     softmax_scale: float = 0.0
     weight_block_size: tuple[int, int] = (128, 128)  # FP8 [out, in] block of one scale
+    quantization: Int4Spec | None = None  # an AWQ / GPTQ int4 checkpoint's layout (quantization_config)
     v41: V41Config | None = None  # DeepSeek-V4.1 layer roles, Engram and DSpark (config_v41.py)
     extra: dict = field(default_factory=dict, compare=False, hash=False)
 
@@ -172,7 +175,15 @@ def _common(raw: dict) -> dict:
         num_mtp_layers=int(raw.get("num_nextn_predict_layers", 0) or 0),
         hf_dtype=str(raw.get("torch_dtype") or raw.get("dtype") or "bfloat16"),
         scoring_func=str(raw.get("scoring_func") or _DEFAULT_SCORING[raw["model_type"]]),
+        quantization=_int4(raw),
     )
+
+
+def _int4(raw: dict) -> Int4Spec | None:
+    try:
+        return int4_spec(raw.get("quantization_config"))
+    except QuantConfigError as e:
+        raise ConfigError(f"config.json: {e}") from e
 
 
 def _rope_from(params: dict, theta: float, dim: int) -> RopeConfig:
@@ -568,6 +579,9 @@ class EngineArgs:
     enable_chunked_prefill: bool = True
     enable_prefix_caching: bool = True
     kv_cache_dtype: str = "auto"  # paged pools: auto (model dtype) | fp8 | int8 (one float32 scale per entry)
+    # weight quantisation (vLLM's name): None reads it from the checkpoint's quantization_config; "awq" / "gptq"
+    # insist on that int4 layout (an error when the checkpoint is not in it)
+    quantization: str | None = None
     swa_restore: str = "replay"  # how a V4 prefix hit gets its bounded state: replay | snapshot | auto
     num_prefix_snapshots: int = 0  # state rows kept for snapshots (0: 2 x max_num_seqs when snapshots are on)
     scheduling_policy: str = "fcfs"
@@ -650,6 +664,9 @@ class EngineArgs:
         self._check_eplb()
         if self.prefill_truncation_tokens < 0:
             raise ValueError(f"prefill_truncation_tokens must be >= 0, got {self.prefill_truncation_tokens}")
+        if self.quantization not in (None, *INT4_METHODS):
+            raise ValueError(f"quantization must be one of {', '.join(INT4_METHODS)} (or unset: from the checkpoint), "
+                             f"got {self.quantization!r}")
         if self.swa_restore not in ("replay", "snapshot", "auto"):
             raise ValueError(f"swa_restore must be replay, snapshot or auto, got {self.swa_restore!r}")
 

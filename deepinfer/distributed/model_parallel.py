@@ -208,7 +208,7 @@ class ParallelExperts(nn.Module):
         self.w2 = nn.Parameter(torch.zeros(len(self.local), dim, local_inter))
         self.tag = mp.register(self) if mp.expert_parallel else 0
         self.rows_served = 0  # EP: (token, k) rows this rank's slots computed, all rounds (drained ones too)
-        self.quant: str | None = None  # "fp8" | "mxfp4" once keep_quantized stored the weights quantised
+        self.quant: str | None = None  # "fp8" | "mxfp4" (keep_quantized) | "int4" (keep_int4) once stored quantised
 
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         """sum_k weight_k * expert_{id_k}(x) for every row of x [N, D] (global ids [N, K])."""
@@ -259,6 +259,24 @@ class ParallelExperts(nn.Module):
         self.w13.expert_quant = ExpertQuant(kind, self.w13_scale, tuple(block))
         self.w2.expert_quant = ExpertQuant(kind, self.w2_scale, tuple(block))
         self.quant = kind
+
+    def keep_int4(self, w13: tuple[torch.Tensor, torch.Tensor], w2: tuple[torch.Tensor, torch.Tensor],
+                  group: int) -> None:
+        """Store w13 / w2 as packed int4 from here on, each given as (codes [E, N, K] uint8, float16 (scale, zero)
+        params [E, N, K / group, 2]) of the full stacked layout (layers/int4_linear.py); w13_scale / w2_scale hold
+        the params, and the float weights are dropped. One process only (ValueError otherwise)."""
+        if not self.mp.is_single:
+            raise ValueError("packed int4 experts need a single process (tensor / expert parallelism loads them "
+                             "dequantised)")
+        from deepinfer.layers.int4_linear import pack_nibbles
+
+        for name, (codes, params) in (("w13", w13), ("w2", w2)):
+            device = getattr(self, name).device
+            weight = nn.Parameter(pack_nibbles(codes).to(device), requires_grad=False)
+            setattr(self, name, weight)
+            setattr(self, f"{name}_scale", nn.Parameter(params.to(torch.float16).to(device), requires_grad=False))
+            weight.expert_quant = ExpertQuant("int4", getattr(self, f"{name}_scale"), (1, group))
+        self.quant = "int4"
 
     def scale_slot(self, local: int, half: int | None) -> torch.Tensor:
         """The view of w13_scale (gate: half 0, up: half 1) or w2_scale (half None) that local expert `local`'s

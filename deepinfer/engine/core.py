@@ -19,8 +19,11 @@ from deepinfer.engine.outputs import RunnerOutput, SchedulerOutput
 from deepinfer.engine.scheduler import Scheduler
 from deepinfer.engine.spec_calibration import calibrate_speculation
 from deepinfer.models.loader import iter_checkpoint, quantized_weights
+from deepinfer.models.quantized import V3_EXPERT_LEAVES, V4_EXPERT_LEAVES
 from deepinfer.models.registry import default_block_size, model_class
 from deepinfer.models.weights import tensor_ranges, wanted_names
+from deepinfer.quantization.kept import keep_int4
+from deepinfer.quantization.spec import check_requested
 from deepinfer.request import Request, RequestStatus
 from deepinfer.sampling_params import SamplingParams
 from deepinfer.spec import build_proposer
@@ -44,12 +47,22 @@ def load_model(path: str | Path, config: ModelConfig, dtype: torch.dtype, device
     if skipped is not None:  # tensors the model reads itself (memory-mapped tables) or does not use
         wanted = (lambda w: lambda name: w(name) and not skipped(name))(wanted)
     keep = _keep_quantized(model, path, config, device, parallel)
+    sink = {} if _keeps_int4(config, parallel) else None
     model.load_weights(iter_checkpoint(path, config.model_type, block_size=config.weight_block_size,
                                        progress=progress, wanted=wanted, ranges=tensor_ranges(model),
-                                       keep_quantized=keep))
+                                       keep_quantized=keep, int4=config.quantization, int4_sink=sink))
+    if sink:
+        keep_int4(model, sink, V4_EXPERT_LEAVES if config.is_v4 else V3_EXPERT_LEAVES)
     if hasattr(model, "attach_checkpoint"):
         model.attach_checkpoint(path)
     return model.eval().requires_grad_(False)  # inference only: no autograd state in any step or graph
+
+
+def _keeps_int4(config: ModelConfig, parallel) -> bool:
+    """Int4 weights (AWQ, GPTQ without act order) stay packed in memory on one process unless
+    DEEPINFER_KEEP_QUANTIZED=0 (then, and under TP / EP, they are dequantised at load)."""
+    one = parallel is None or parallel.is_single
+    return config.quantization is not None and one and os.environ.get(KEEP_QUANTIZED_ENV) != "0"
 
 
 def _keep_quantized(model: torch.nn.Module, path: str | Path, config: ModelConfig, device: torch.device,
@@ -150,6 +163,7 @@ class EngineCore:
         self._structured_warmup: threading.Thread | None = None
         self.device = torch.device(args.device)
         self.model_config = ModelConfig.from_hf(model)
+        check_requested(args.quantization, self.model_config.quantization)
         self.dtype = model_dtype(args.dtype, self.model_config, self.device.type)
         self.speculative = args.speculative
         self.max_model_len = args.max_model_len or self.model_config.max_position

@@ -8,7 +8,10 @@ Weights (E experts, hidden D, expert intermediate I): w13 [E, 2I, D] holds the g
     w = q * scale, edge blocks partial (the loader's `dequantize_fp8_block`);
   * "mxfp4": E2M1 codes two per byte along K ([E, N, K/2] uint8 / int8 / float4_e2m1fn_x2; input 2i is the low
     nibble of byte i) with one scale per 32 inputs of a row ([E, N, ceil(K/32)], UE8M0 or float); the loader's
-    `dequantize_fp4`. `block` is ignored.
+    `dequantize_fp4`. `block` is ignored;
+  * "int4": AWQ / GPTQ codes two per byte along K ([E, N, K/2] uint8, low nibble first) with float16 (scale,
+    zero) pairs per group of `block[1]` inputs of a row ([E, N, K/group, 2]): w = (code - zero) * scale
+    (layers/int4_linear.py).
 
 Pipeline (no host synchronisation; every shape depends only on T, K, E and the tiles):
   1. `moe_align` sorts the T*K (token, k) slots by expert (stable) and pads each expert's run to a multiple of
@@ -26,6 +29,7 @@ Invariants of both kernels:
     converted exactly to the dot's input type and their product scaled per output column by the scale of its
     (n-block, k-block) -- BLOCK_K divides bk, so a tile's K range never straddles two scale blocks; MXFP4
     tiles are unpacked, decoded and multiplied by their per-32 scales before the dot (Hopper has no FP4 dot);
+    int4 tiles are unpacked and dequantised as (code - zero) * scale in float32 before the dot;
   * UE8M0 scales are read as bytes and decoded to 2^(b-127) in the kernel; other scales are float32;
   * the dot runs in float32 ("ieee") for float32 activations and under the interpreter (its bf16 `tl.dot` is
     not exact), otherwise in x's 16-bit type, always accumulating in float32;
@@ -46,7 +50,7 @@ from deepinfer.kernels import HAS_TRITON, interpreting, next_pow2
 from deepinfer.layers.moe import routed_experts
 from deepinfer.models.loader import FP4_GROUP, dequantize_fp4, dequantize_fp8_block
 
-QUANT_MODES = {None: 0, "fp8": 1, "mxfp4": 2}
+QUANT_MODES = {None: 0, "fp8": 1, "mxfp4": 2, "int4": 3}
 FP8_WEIGHT_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 FP4_WEIGHT_DTYPES = (torch.uint8, torch.int8, torch.float4_e2m1fn_x2)
 MIN_TILE = 16  # tl.dot needs every tile dimension >= 16
@@ -87,6 +91,16 @@ if HAS_TRITON:
                         mask=row_mask[:, None] & (ks[None, :] < K), other=0)
             values = tl.interleave(_e2m1(codes & 0xF), _e2m1(codes >> 4))  # [BLOCK_N, BLOCK_K], k = 2i + nibble
             w = tl.trans(values * _scale_value(s, SCALE_E8M0))
+        elif QUANT == 3:  # int4: (scale, zero) pairs, the scale row flattened to [2 G]
+            kb = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+            codes = tl.load(w_rows[:, None] + kb[None, :] * stride_wk,
+                            mask=row_mask[:, None] & (2 * kb[None, :] < K), other=0)
+            ok = row_mask[:, None] & (ks[None, :] < K)
+            pair = s_rows[:, None] + (2 * (ks[None, :] // GROUP)) * stride_sk
+            scale = tl.load(pair, mask=ok, other=0.0).to(tl.float32)
+            zero = tl.load(pair + stride_sk, mask=ok, other=0.0).to(tl.float32)
+            values = tl.interleave(codes & 0xF, codes >> 4).to(tl.float32)
+            w = tl.trans((values - zero) * scale)
         else:
             w = tl.load(w_rows[None, :] + ks[:, None] * stride_wk,
                         mask=row_mask[None, :] & (ks[:, None] < K), other=0.0)
@@ -261,6 +275,10 @@ def dequantize_experts(w: torch.Tensor, scale: torch.Tensor | None, quant: str |
         return w.float()
     if quant == "fp8":
         return torch.stack([dequantize_fp8_block(w[e], scale[e], tuple(block)) for e in range(w.shape[0])])
+    if quant == "int4":
+        from deepinfer.layers.int4_linear import dequantize_packed
+
+        return dequantize_packed(w, scale, block[1], torch.float32)
     return torch.stack([dequantize_fp4(w[e], scale[e]) for e in range(w.shape[0])])
 
 
@@ -282,20 +300,22 @@ def _logical_shape(w: torch.Tensor, quant: str | None) -> tuple[int, int, int]:
     if w.dim() != 3:
         raise ValueError(f"expert weights must be 3-D [E, N, K], got {tuple(w.shape)}")
     e, n, k = w.shape
-    return (e, n, 2 * k) if quant == "mxfp4" else (e, n, k)
+    return (e, n, 2 * k) if quant in ("mxfp4", "int4") else (e, n, k)
 
 
 def _scale_shape(shape: tuple[int, int, int], quant: str | None, block: tuple[int, int]) -> tuple[int, ...] | None:
     e, n, k = shape
     if quant == "fp8":
         return e, -(-n // block[0]), -(-k // block[1])
+    if quant == "int4":
+        return e, n, k // block[1], 2
     return (e, n, -(-k // FP4_GROUP)) if quant == "mxfp4" else None
 
 
 def _check_weight(name: str, w: torch.Tensor, scale: torch.Tensor | None, quant: str | None,
                   block: tuple[int, int], shape: tuple[int, int, int]) -> None:
     allowed = {None: (torch.float32, torch.bfloat16, torch.float16), "fp8": FP8_WEIGHT_DTYPES,
-               "mxfp4": FP4_WEIGHT_DTYPES}[quant]
+               "mxfp4": FP4_WEIGHT_DTYPES, "int4": (torch.uint8,)}[quant]
     if w.dtype not in allowed:
         raise ValueError(f"{name}: dtype {w.dtype} does not fit quant={quant!r}")
     if _logical_shape(w, quant) != shape:
@@ -352,6 +372,9 @@ def _kernel_weight(w: torch.Tensor, scale: torch.Tensor | None, quant: str | Non
     meta = {"QUANT": QUANT_MODES[quant], "QUANT_N": 1, "QUANT_K": 1, "GROUP": FP4_GROUP, "SCALE_E8M0": False}
     if quant is None:
         return _KernelWeight(w, w, meta)
+    if quant == "int4":  # (scale, zero) pairs read from each row's flattened [2 G] params
+        meta.update(QUANT=QUANT_MODES["int4"], GROUP=block[1])
+        return _KernelWeight(w, scale.contiguous().flatten(-2), meta)
     kscale, meta["SCALE_E8M0"] = _kernel_scale(scale)
     if quant == "fp8":
         meta["QUANT_N"], meta["QUANT_K"] = block

@@ -4,6 +4,9 @@ Kept-quantised experts: a stacked weight stored quantised (fp8 block-scaled or M
 carries an `expert_quant` attribute (ExpertQuant: kind, its scale tensor, the FP8 block), set by
 ParallelExperts.keep_quantized; `routed_experts` then runs the fused kernels on CUDA and otherwise
 `fused_moe_reference` (whole experts dequantised to float32 per call, the values the loader would have produced).
+Packed int4 experts (AWQ, ParallelExperts.keep_int4) run the fused kernels' int4 mode on CUDA; elsewhere they
+are dequantised to x's dtype per call and run the float path, so they compute what the experts loaded dequantised
+compute.
 """
 
 from __future__ import annotations
@@ -31,12 +34,33 @@ def swiglu(gate_up: torch.Tensor, limit: float) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class ExpertQuant:
-    """How a stacked expert weight is stored: kind "fp8" | "mxfp4", its scale (the module's scale parameter
+    """How a stacked expert weight is stored: kind "fp8" | "mxfp4" | "int4", its scale (the module's scale parameter
     itself, so device moves keep it current) and the FP8 (rows, cols) block (ignored by MXFP4)."""
 
     kind: str
     scale: torch.Tensor
-    block: tuple[int, int] = (128, 128)
+    block: tuple[int, int] = (128, 128)  # int4: (1, group); its `scale` holds float16 (scale, zero) pairs
+
+
+def _int4_float(w: torch.Tensor, q: ExpertQuant, dtype: torch.dtype, rows: torch.Tensor | None = None) -> torch.Tensor:
+    """Float [E, N, K] of packed int4 experts; with `rows`, only those experts are dequantised (the rest zero)."""
+    from deepinfer.layers.int4_linear import dequantize_packed
+
+    if rows is None:
+        return dequantize_packed(w, q.scale, q.block[1], dtype)
+    out = torch.zeros(w.shape[0], w.shape[1], 2 * w.shape[2], dtype=dtype, device=w.device)
+    out[rows] = dequantize_packed(w[rows], q.scale[rows], q.block[1], dtype)
+    return out
+
+
+def _int4_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w13: torch.Tensor,
+                  w2: torch.Tensor, q13: ExpertQuant, q2: ExpertQuant, limit: float) -> torch.Tensor:
+    """Packed int4 experts (AWQ) without the fused kernels: dequantised per call, then the float path on the same
+    [E, N, K] shapes (so the same values as experts loaded dequantised). Eager off CUDA only the experts the batch
+    routes to are dequantised; on CUDA and in compiled steps (no host sync) all of them."""
+    used = None if x.is_cuda or torch.compiler.is_compiling() else torch.unique(topk_ids)
+    return routed_experts(x, topk_ids, topk_weights, _int4_float(w13, q13, x.dtype, used),
+                          _int4_float(w2, q2, x.dtype, used), limit)
 
 
 def expert_quant(w: torch.Tensor) -> ExpertQuant | None:
@@ -50,7 +74,10 @@ def _quantized_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: to
     from deepinfer.kernels.fused_moe import fused_moe, fused_moe_reference
 
     q13, q2 = expert_quant(w13), expert_quant(w2)
-    run = fused_moe if triton_enabled(x) and not batch_invariant_enabled() else fused_moe_reference
+    fused = triton_enabled(x) and not batch_invariant_enabled()
+    if q13.kind == "int4" and not fused:
+        return _int4_experts(x, topk_ids, topk_weights, w13, w2, q13, q2, limit)
+    run = fused_moe if fused else fused_moe_reference
     return run(x, topk_ids, topk_weights, w13, w2, limit, q13.scale, q2.scale, q13.kind, q13.block)
 
 

@@ -16,7 +16,10 @@ Invariants:
   * with `wanted`, a tensor whose canonical name is not wanted is never read (nor its scale, nor
     dequantised): a rank reads only the tensors it stores. The header pass still checks every tensor;
   * a kept-quantised weight's scale has the shape its weight and block imply and finite entries, as a dequantised
-    one's (CheckpointError naming both tensors otherwise).
+    one's (CheckpointError naming both tensors otherwise);
+  * int4 (AWQ / GPTQ) weights are groups `X.qweight`, `X.qzeros`, `X.scales` (+ GPTQ's `X.g_idx`), checked whole
+    in the header pass, read whole, and yielded once as the float32 `X.weight` they stand for
+    (quantization/int4.py holds the layouts).
 """
 
 from __future__ import annotations
@@ -27,12 +30,15 @@ import os
 import re
 import struct
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
 from tqdm import tqdm
+
+from deepinfer.quantization.int4 import awq_weight, gptq_dequantize, gptq_weight
+from deepinfer.quantization.spec import Int4Spec
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -348,16 +354,18 @@ def _pair_quantised(entries: dict[str, _Entry]) -> dict[str, str]:
     return pairs
 
 
-def _check_unique(entries: dict[str, _Entry], scales: set[str], model_type: str) -> None:
-    """No two yielded tensors share a canonical name (e.g. both `attn.norm` and `attn.kv_norm`)."""
+def _check_unique(entries: dict[str, _Entry], hidden: set[str], model_type: str,
+                  int4: dict[str, frozenset[str]] | None = None) -> None:
+    """No two yielded tensors share a canonical name (e.g. both `attn.norm` and `attn.kv_norm`). `hidden`: the
+    tensors not yielded themselves (scales, int4 members); `int4`: the weights the int4 members make."""
     seen: dict[str, str] = {}
-    for name, entry in entries.items():
-        if name in scales:
-            continue
+    made = {w: (entries[min(ms)].file, min(ms)) for w, ms in (int4 or {}).items()}
+    plain = ((n, (e.file, n)) for n, e in entries.items() if n not in hidden)
+    for name, (file, shown) in [*plain, *made.items()]:
         canon = canonical_name(name, model_type)
         if canon in seen:
-            raise CheckpointError(f"{entry.file}: tensors {seen[canon]} and {name} both map to {canon}")
-        seen[canon] = name
+            raise CheckpointError(f"{file}: tensors {seen[canon]} and {shown} both map to {canon}")
+        seen[canon] = shown
 
 
 def quantized_weights(path: str | os.PathLike, model_type: str) -> dict[str, QuantInfo]:
@@ -379,6 +387,72 @@ def kept_scale_name(weight_name: str) -> str:
     return weight_name.removesuffix(".weight") + KEPT_SCALE_SUFFIX
 
 
+# --- int4 (AWQ / GPTQ) groups ---------------------------------------------------------------------------
+_INT4_LEAVES = ("qweight", "qzeros", "scales")  # every int4 weight X has X.qweight, X.qzeros, X.scales
+_INT4_SUFFIXES = (".qweight", ".qzeros", ".scales", ".g_idx")
+
+
+def _int4_groups(entries: dict[str, _Entry], spec: Int4Spec | None) -> dict[str, frozenset[str]]:
+    """`X.weight` -> its int4 members for every `X.qweight` of the checkpoint (GPTQ: with X.g_idx when present);
+    CheckpointError for a member without its qweight, a missing member, or int4 tensors without an int4 config."""
+    stems = {n.removesuffix(".qweight") for n in entries if n.endswith(".qweight")}
+    for name, entry in entries.items():
+        if name.endswith(_INT4_SUFFIXES) and name.rpartition(".")[0] not in stems:
+            raise CheckpointError(f"{entry.file}: int4 tensor {name} has no {name.rpartition('.')[0]}.qweight")
+    if stems and spec is None:
+        name = min(stems) + ".qweight"
+        raise CheckpointError(f"{entries[name].file}: {name} is an int4 (AWQ / GPTQ) tensor, but config.json has no "
+                              "quantization_config with quant_method 'awq' or 'gptq'")
+    return {f"{stem}.weight": _int4_members(stem, entries, spec) for stem in sorted(stems)}
+
+
+def _int4_members(stem: str, entries: dict[str, _Entry], spec: Int4Spec) -> frozenset[str]:
+    names = [f"{stem}.{leaf}" for leaf in _INT4_LEAVES]
+    missing = [n for n in names if n not in entries]
+    file = entries[f"{stem}.qweight"].file
+    if missing:
+        raise CheckpointError(f"{file}: int4 ({spec.method}) weight {stem} lacks {', '.join(missing)}")
+    if f"{stem}.weight" in entries:
+        raise CheckpointError(f"{file}: {stem} has both a float .weight and int4 tensors")
+    g_idx = [f"{stem}.g_idx"] if spec.method == "gptq" and f"{stem}.g_idx" in entries else []
+    return frozenset(names + g_idx)
+
+
+def _int4_weight(parts: dict[str, torch.Tensor], spec: Int4Spec):
+    if spec.method == "awq":
+        return awq_weight(parts["qweight"], parts["qzeros"], parts["scales"], spec.group_size)
+    return gptq_weight(parts["qweight"], parts["qzeros"], parts["scales"], parts.get("g_idx"), spec.group_size,
+                       spec.zeros_minus_one)
+
+
+def _collect(name: str, tensor: torch.Tensor, file: Path, plan: _Plan,
+             pending: dict[str, dict[str, tuple[torch.Tensor, Path]]]) -> list[tuple[str, torch.Tensor, Path]]:
+    """Buffer an int4 member; once its weight's members are all in, [(weight, float32 weight, qweight's file)]."""
+    weight = plan.group_of[name]
+    got = pending.setdefault(weight, {})
+    got[name] = (tensor, file)
+    if len(got) < len(plan.members[weight]):
+        return []
+    del pending[weight]
+    stem, canon = weight.removesuffix(".weight"), canonical_name(weight, plan.model_type)
+    parts, file = {n.removeprefix(stem + "."): t for n, (t, _) in got.items()}, got[stem + ".qweight"][1]
+    return [(canon, _int4_dequantize(stem, parts, plan, canon, file), file)]
+
+
+def _int4_dequantize(stem: str, parts: dict[str, torch.Tensor], plan: _Plan, canon: str, file: Path) -> torch.Tensor:
+    spec = plan.int4
+    try:
+        weight = _int4_weight(parts, spec)
+        if weight is None:  # GPTQ act order: groups not consecutive, dequantised here
+            return gptq_dequantize(parts["qweight"], parts["qzeros"], parts["scales"], parts.get("g_idx"),
+                                   spec.group_size, spec.zeros_minus_one)
+    except ValueError as e:
+        raise CheckpointError(f"{file}: int4 {spec.method} weight (group size {spec.group_size}) {stem}.{e}") from e
+    if plan.int4_sink is not None:
+        plan.int4_sink[canon] = weight
+    return weight.dequantize()
+
+
 # --- streaming ------------------------------------------------------------------------------------------
 @dataclass
 class _Plan:
@@ -389,36 +463,44 @@ class _Plan:
     weights: frozenset[str]  # the quantised weights (keys of `partner` that are not scales)
     read: dict[str, _Entry]  # the tensors to read: wanted ones and the scales of wanted quantised weights
     keep: Callable[[str], bool] | None = None  # canonical weight name -> yield it raw with its scale
+    int4: Int4Spec | None = None  # the int4 layout of `group_of`'s members (config.json quantization_config)
+    group_of: dict[str, str] = field(default_factory=dict)  # int4 member (X.qweight, ...) -> X.weight
+    members: dict[str, frozenset[str]] = field(default_factory=dict)  # X.weight -> its int4 members
+    int4_sink: dict | None = None  # canonical X.weight -> its Int4Weight (AWQ), for layers kept packed
 
 
 def _plan(path: str | os.PathLike, model_type: str, block: tuple[int, int],
-          wanted: Callable[[str], bool] | None) -> _Plan:
+          wanted: Callable[[str], bool] | None, int4: Int4Spec | None = None) -> _Plan:
     root = Path(path)
     files, weight_map = _discover(root)
     entries = _scan(files)
     if weight_map is not None:
         _check_index(root, weight_map, entries)
     pairs = _pair_quantised(entries)
-    _check_unique(entries, set(pairs.values()), model_type)
+    members = _int4_groups(entries, int4)
+    group_of = {m: w for w, ms in members.items() for m in ms}
+    _check_unique(entries, set(pairs.values()) | set(group_of), model_type, members)
     partner = {**pairs, **{s: w for w, s in pairs.items()}}
-    read = _to_read(entries, pairs, model_type, wanted)
-    return _Plan(files, model_type, block, partner, frozenset(pairs), read)
+    read = _to_read(entries, pairs, group_of, model_type, wanted)
+    return _Plan(files, model_type, block, partner, frozenset(pairs), read, int4=int4, group_of=group_of,
+                 members=members)
 
 
-def _to_read(entries: dict[str, _Entry], pairs: dict[str, str], model_type: str,
+def _to_read(entries: dict[str, _Entry], pairs: dict[str, str], group_of: dict[str, str], model_type: str,
              wanted: Callable[[str], bool] | None) -> dict[str, _Entry]:
-    """The entries to read: a scale goes with its weight, everything else by its canonical name."""
+    """The entries to read: a scale goes with its weight, an int4 member with the weight it makes, everything
+    else by its canonical name."""
     if wanted is None:
         return entries
-    scale_of = {s: w for w, s in pairs.items()}
-    return {n: e for n, e in entries.items() if wanted(canonical_name(scale_of.get(n, n), model_type))}
+    weight_of = {**{s: w for w, s in pairs.items()}, **group_of}
+    return {n: e for n, e in entries.items() if wanted(canonical_name(weight_of.get(n, n), model_type))}
 
 
 def iter_checkpoint(path: str | os.PathLike, model_type: str, block_size: tuple[int, int] | None = None,
                     progress: bool = False, wanted: Callable[[str], bool] | None = None,
                     ranges: Callable[[str, tuple[int, ...]], tuple[slice, ...] | None] | None = None,
-                    keep_quantized: Callable[[str], bool] | None = None,
-                    ) -> Iterator[tuple[str, torch.Tensor, str]]:
+                    keep_quantized: Callable[[str], bool] | None = None, int4: Int4Spec | None = None,
+                    int4_sink: dict | None = None) -> Iterator[tuple[str, torch.Tensor, str]]:
     """Yield `(canonical_name, tensor, file_name)` for every tensor of the checkpoint at `path` whose
     canonical name `wanted` accepts (default: all).
 
@@ -437,12 +519,19 @@ def iter_checkpoint(path: str | os.PathLike, model_type: str, block_size: tuple[
     yielded raw (float8 / packed int8-uint8-float4 codes), immediately followed by its scale, raw too, named
     `kept_scale_name(name)`; the scale's shape (the `block_size` grid for FP8, [out, ceil(in / 32)] for FP4) and
     finiteness are checked as dequantisation would. Other quantised weights are dequantised as above.
+
+    `int4` (the checkpoint's AWQ / GPTQ layout, ModelConfig.quantization): every `X.qweight` with its `X.qzeros`,
+    `X.scales` (and GPTQ's `X.g_idx`) is yielded once, as the float32 `X.weight` it dequantises to (canonical
+    name); its members are read whole, and a missing member, a shape that does not fit the group size or int4
+    tensors without `int4` are CheckpointErrors naming the tensor. With `int4_sink` (a dict), the Int4Weight of
+    each weight in consecutive groups (AWQ; GPTQ without act order) is also stored there under its canonical name
+    (quantization/kept.py keeps those layers packed).
     """
     if model_type not in MODEL_TYPES:
         raise ValueError(f"unsupported model_type {model_type!r}; expected one of {MODEL_TYPES}")
     block = tuple(block_size) if block_size is not None else DEFAULT_BLOCK_SIZE
-    plan = _plan(path, model_type, block, wanted)
-    plan.keep = keep_quantized
+    plan = _plan(path, model_type, block, wanted, int4)
+    plan.keep, plan.int4_sink = keep_quantized, int4_sink
     return _stream(plan, progress, ranges)
 
 
@@ -452,17 +541,28 @@ def _stream(plan: _Plan, progress: bool, ranges=None) -> Iterator[tuple[str, tor
     bar = tqdm(total=sum(e.nbytes for e in plan.read.values()), unit="B", unit_scale=True,
                desc=f"Loading {len(files)} shard(s)", disable=not progress)
     pending: dict[str, tuple[torch.Tensor, Path]] = {}  # pair halves whose partner has not arrived yet
+    groups: dict[str, dict[str, tuple[torch.Tensor, Path]]] = {}  # int4 weights with members still to come
     for file in files:
         bar.set_postfix_str(file.name)
         for name, tensor in _read_shard(file, plan, ranges):
             bar.update(plan.read[name].nbytes)
-            plain = [(canonical_name(name, plan.model_type), tensor, file)]
-            for item in _match(name, tensor, file, plan, pending) if name in plan.partner else plain:
+            for item in _items(name, tensor, file, plan, pending, groups):
                 yield item[0], item[1], item[2].name
     bar.close()
     if pending:  # unreachable while the header pass is right; kept as the pairing invariant's guard
         name, (_, file) = next(iter(pending.items()))
         raise CheckpointError(f"{file}: {name} never met its partner {plan.partner[name]}")
+    if groups:  # likewise: the header pass found every member
+        raise CheckpointError(f"int4 weight {next(iter(groups))} is incomplete")
+
+
+def _items(name: str, tensor: torch.Tensor, file: Path, plan: _Plan, pending, groups):
+    """What reading `name` lets the stream yield: a plain tensor at once, pair and group members once whole."""
+    if name in plan.group_of:
+        return _collect(name, tensor, file, plan, groups)
+    if name in plan.partner:
+        return _match(name, tensor, file, plan, pending)
+    return [(canonical_name(name, plan.model_type), tensor, file)]
 
 
 def _read_shard(file: Path, plan: _Plan, ranges=None) -> Iterator[tuple[str, torch.Tensor]]:
@@ -475,7 +575,7 @@ def _read_shard(file: Path, plan: _Plan, ranges=None) -> Iterator[tuple[str, tor
 
 def _block(handle, name: str, plan: _Plan, ranges) -> tuple[slice, ...] | None:
     """The block of a plain (unquantised) tensor the model stores, when it names one."""
-    if ranges is None or name in plan.partner:
+    if ranges is None or name in plan.partner or name in plan.group_of:
         return None
     return ranges(canonical_name(name, plan.model_type), tuple(handle.get_slice(name).get_shape()))
 
