@@ -265,6 +265,9 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     from deepinfer.eplb.cli import add_parser as add_eplb_parser  # torch only: cheap next to the rest
 
     add_eplb_parser(commands)
+    from deepinfer.quantization.cli import add_parser as add_quantize_parser
+
+    add_quantize_parser(commands)
     wants_bench = argv is not None and "bench" in argv
     (_add_bench_parser if wants_bench else _add_bench_placeholder)(commands)
     return parser
