@@ -6,9 +6,9 @@ which its remaining points are recorded as skipped):
   attention  V4 sparse attention decode (window 128 + CSA top-512 / HCA all entries + sink), batch x context
   mla        V3 absorbed MLA paged decode (128 heads, latent 512 + rope 64, block 64)
   indexer    V4 Lightning Indexer scores + exact top-512 (64 heads x 128, entries = context / 4)
-  moe        fused routed MoE (256 experts, top-6, D 4096, I 2048): bf16, fp8 (128x128 blocks), mxfp4,
+  moe        fused routed MoE (256 experts, top-6, D 4096, I 2048): bf16, fp8 (128x128 blocks), mxfp4, int4,
              against the torch bf16 path of layers.moe.routed_experts (DEEPINFER_TRITON=0)
-  fp8_gemm   block-scaled FP8 weight GEMM (W8A16) against a bf16 torch matmul, V4 projection shapes
+  fp8_gemm   block-scaled FP8 (W8A16) and packed int4 (W4A16) GEMMs against a bf16 torch matmul, V4 projection shapes
   graphs     decode step time eager vs CUDA graphs (worker/cuda_graphs.py) on a 3-layer full-width V4-Flash model,
              and the bundled model's offline throughput with enforce_eager True / False
 Times are CUDA-event medians after warm-up (L2 flushed before each timed kernel call); bandwidth is the unique
@@ -534,14 +534,29 @@ def _mxfp4_experts(e: int, n: int, k: int, device: torch.device) -> tuple[torch.
     return codes, scales.view(torch.float8_e8m0fnu)
 
 
+def int4_group(k: int) -> int:
+    """AWQ's group of 128 inputs, or 16 for the smoke run's narrower matrices."""
+    return 128 if k % 128 == 0 else 16
+
+
+def _int4_experts(e: int, n: int, k: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random int4 codes two per byte ([e, n, k/2] uint8) and float16 (scale, zero) pairs per int4_group(k)."""
+    g = k // int4_group(k)
+    codes = torch.randint(0, 256, (e, n, k // 2), dtype=torch.uint8, device=device)
+    scale = torch.rand(e, n, g, device=device) * 0.01 + 0.001
+    zero = torch.randint(0, 16, (e, n, g), device=device).float()
+    return codes, torch.stack([scale, zero], -1).half()
+
+
 def moe_weights(sh: Shapes, device: torch.device) -> dict[str, ExpertWeights]:
     e, d, i = sh.experts, sh.hidden, sh.inter
     w13 = _randn(e, 2 * i, d, dtype=sh.dtype, device=device, std=d ** -0.5)
     w2 = _randn(e, d, i, dtype=sh.dtype, device=device, std=i ** -0.5)
     (q13, s13), (q2, s2) = _fp8_experts(w13), _fp8_experts(w2)
     (c13, m13), (c2, m2) = _mxfp4_experts(e, 2 * i, d, device), _mxfp4_experts(e, d, i, device)
+    (i13, p13), (i2, p2) = _int4_experts(e, 2 * i, d, device), _int4_experts(e, d, i, device)
     return {"bf16": ExpertWeights(w13, w2, None, None, None), "fp8": ExpertWeights(q13, q2, s13, s2, "fp8"),
-            "mxfp4": ExpertWeights(c13, c2, m13, m2, "mxfp4")}
+            "mxfp4": ExpertWeights(c13, c2, m13, m2, "mxfp4"), "int4": ExpertWeights(i13, i2, p13, p2, "int4")}
 
 
 def _routing(sh: Shapes, tokens: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -558,8 +573,10 @@ def _moe_point(ctx: Ctx, weights: ExpertWeights, quant: str, tokens: int) -> Ent
     ids, route = _routing(sh, tokens, dev)
     w = weights
 
+    block = (1, int4_group(sh.hidden)) if w.quant == "int4" else (128, 128)
+
     def kernel() -> torch.Tensor:
-        return fused_moe(x, ids, route, w.w13, w.w2, 10.0, w.s13, w.s2, w.quant, (128, 128))
+        return fused_moe(x, ids, route, w.w13, w.w2, 10.0, w.s13, w.s2, w.quant, block)
 
     out = ctx.timer(kernel)
     touched = int(ids.unique().numel())
@@ -609,6 +626,21 @@ def _gemm_point(ctx: Ctx, weight: tuple[torch.Tensor, torch.Tensor, torch.Tensor
             "torch_bf16_GBps": dense_bytes / (ref["ms"] * 1e6), "speedup_vs_bf16": ref["ms"] / out["ms"]}
 
 
+def _int4_gemm_point(ctx: Ctx, dense: torch.Tensor, m: int) -> Entry:
+    """The W4A16 GEMM on random packed codes of `dense`'s shape, against bf16 F.linear on `dense`."""
+    from deepinfer.kernels.int4_gemm import int4_linear, int4_linear_reference
+
+    n, k = dense.shape
+    codes, params = (t[0] for t in _int4_experts(1, n, k, ctx.device))
+    x = _randn(m, k, dtype=ctx.shapes.dtype, device=ctx.device)
+    out = ctx.timer(lambda: int4_linear(x, codes, params, int4_group(k)))
+    err = _max_err(int4_linear(x, codes, params, int4_group(k)), int4_linear_reference(x, codes, params, int4_group(k)))
+    ref = ctx.timer(lambda: torch.nn.functional.linear(x, dense))
+    nbytes = codes.numel() + params.numel() * 2 + (m * k + m * n) * x.element_size()
+    return {**out, **ctx.bandwidth(nbytes, out["ms"]), **ctx.flops(2 * m * n * k, out["ms"], "bf16"),
+            "torch_bf16_ms": ref["ms"], "speedup_vs_bf16": ref["ms"] / out["ms"], "max_abs_err": err}
+
+
 def run_fp8_gemm(ctx: Ctx) -> None:
     from deepinfer.layers.quant_linear import quantize_fp8_block
 
@@ -618,6 +650,8 @@ def run_fp8_gemm(ctx: Ctx) -> None:
         for m in ctx.shapes.gemm_m:
             ctx.point(f"{name} {n}x{k} M{m}", partial(_gemm_point, ctx, (dense, codes, scale), m), weight=name,
                       n=n, k=k, m=m)
+            ctx.point(f"int4 {name} {n}x{k} M{m}", partial(_int4_gemm_point, ctx, dense, m), weight=name,
+                      n=n, k=k, m=m, quant="int4")
 
 
 # ------------------------------------------------------------------------------------------------ graphs

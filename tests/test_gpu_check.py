@@ -49,7 +49,9 @@ def test_smoke_points_are_measured_without_errors(smoke):
     checked = [e for e in timed if "max_abs_err" in e]
     assert checked and all(e["max_abs_err"] < 1e-3 for e in checked)
     quants = {e.get("quant") for e in sections["moe"]["entries"] if "ms" in e}
-    assert quants == {"bf16", "fp8", "mxfp4"}
+    assert quants == {"bf16", "fp8", "mxfp4", "int4"}
+    int4_gemm = [e for e in sections["fp8_gemm"]["entries"] if e.get("quant") == "int4"]
+    assert int4_gemm and all(e["max_abs_err"] < 1e-3 for e in int4_gemm)
     graphs = sections["graphs"]["entries"]
     assert not [e for e in graphs if "error" in e]
     assert any(e.get("mode") == "eager" and "ms" in e for e in graphs)

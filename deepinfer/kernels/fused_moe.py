@@ -338,6 +338,9 @@ def _check_operands(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch
     e, two_i, d = _logical_shape(w13, quant)
     if two_i % 2 or d != x.shape[1]:
         raise ValueError(f"w13 holds {(e, two_i, d)}, expected [E, 2I, {x.shape[1]}]")
+    if quant == "int4" and (d % block[1] or (two_i // 2) % block[1]):
+        raise ValueError(f"int4 experts: hidden {d} and intermediate {two_i // 2} must be multiples of the group "
+                         f"{block[1]}")
     _check_weight("w13", w13, w13_scale, quant, block, (e, two_i, d))
     _check_weight("w2", w2, w2_scale, quant, block, (e, d, two_i // 2))
     return two_i // 2

@@ -117,29 +117,40 @@ def apply_folds(model: nn.Module, acts: Activations, cfg: ModelConfig, group: in
     """Search every fold's scale on the first pass's inputs, then fold kind by kind, keeping a kind only when the
     model's hidden states on `check()` stay within FOLD_TOLERANCE (relative to their largest) of before. Returns
     the parameter names changed and the folds kept per kind."""
-    candidates = folds.norm_folds(model, cfg.is_v4) + folds.output_folds(model)
-    candidates += folds.up_down_folds(model)
+    searched = _searched_folds(model, acts, cfg, group, grid, progress)
+    before, changed, kept = _head_input(model, check), set(), {}
+    for kind in dict.fromkeys(f.kind for f, _ in searched):
+        of_kind = [(f, s) for f, s in searched if f.kind == kind]
+        if _fold_exactly(model, of_kind, before, check):
+            kept[kind] = len(of_kind)
+            changed |= {n for f, _ in of_kind for n in f.names}
+    return changed, kept
+
+
+def _searched_folds(model: nn.Module, acts: Activations, cfg: ModelConfig, group: int, grid: SearchGrid,
+                    progress: bool) -> list[tuple[folds.Fold, torch.Tensor]]:
+    candidates = folds.norm_folds(model, cfg.is_v4) + folds.output_folds(model) + folds.up_down_folds(model)
     searched = []
     for fold in tqdm(candidates, desc="AWQ scale search", unit="fold", disable=not progress):
         x = folds.fold_inputs(fold, model, acts)
         if x is not None and len(x) and folds.foldable(fold, model, group):
-            searched.append((fold, search_scale(torch.cat([w.detach().float() for w in fold.searched]), x, group,
-                                                grid)))
-    before, changed, kept = _head_input(model, check), set(), {}
-    for kind in dict.fromkeys(f.kind for f, _ in searched):
-        group_folds = [(f, s) for f, s in searched if f.kind == kind]
-        for f, s in group_folds:
-            f.apply(s)
-        change = float((_head_input(model, check) - before).abs().max()) / float(before.abs().max())
-        if change > FOLD_TOLERANCE:
-            logger.warning("AWQ: folding the %d %s scales changes the model's hidden states by %.2g (relative); "
-                           "not folded there", len(group_folds), kind, change)
-            for f, s in group_folds:
-                f.undo(s)
-            continue
-        kept[kind] = len(group_folds)
-        changed |= {n for f, _ in group_folds for n in f.names}
-    return changed, kept
+            weights = torch.cat([w.detach().float() for w in fold.searched])
+            searched.append((fold, search_scale(weights, x, group, grid)))
+    return searched
+
+
+def _fold_exactly(model: nn.Module, of_kind: list, before: torch.Tensor, check) -> bool:
+    """Apply the folds; undo them (False) when the hidden states move by more than FOLD_TOLERANCE."""
+    for f, s in of_kind:
+        f.apply(s)
+    change = float((_head_input(model, check) - before).abs().max()) / float(before.abs().max())
+    if change <= FOLD_TOLERANCE:
+        return True
+    logger.warning("AWQ: folding the %d %s scales changes the model's hidden states by %.2g (relative); not folded "
+                   "there", len(of_kind), of_kind[0][0].kind, change)
+    for f, s in of_kind:
+        f.undo(s)
+    return False
 
 
 def quantize_targets(targets: dict[str, Target], method: str, group: int, grid: SearchGrid,
