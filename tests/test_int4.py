@@ -239,7 +239,7 @@ def test_bad_int4_checkpoints_name_the_tensor(tiny, tmp_path):
     cases = {
         "missing": (lambda t, c: ({n: v for n, v in t.items() if n != f"{stem}.qzeros"}, c), f"{stem}.qzeros"),
         "group": (lambda t, c: (t, {**c, "quantization_config": {**c["quantization_config"], "group_size": 64}}),
-                  f"(group size 64) {stem}.qzeros"),
+                  f"{stem} (group size 64): qzeros"),
         "no config": (lambda t, c: (t, {k: v for k, v in c.items() if k != "quantization_config"}),
                       "quantization_config"),
     }

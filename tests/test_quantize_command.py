@@ -85,9 +85,11 @@ def test_quantize_tiny_models_folds_exactly_and_reloads(tmp_path, calib, kind):
     # none of these dropped: each left the model's output unchanged (V4's up -> down depends on its clamp)
     assert kinds <= set(report["scales_folded"]) <= kinds | {"up->down"}
     assert report["calibration_error_vs_rtn"]["mean"] < 1.0
-    config = json.loads((tmp_path / "awq" / "config.json").read_text())
-    assert config["quantization_config"] == {"quant_method": "awq", "bits": 4, "group_size": 32, "zero_point": True,
-                                             "version": "gemm", "modules_to_not_convert": []}
+    quant = json.loads((tmp_path / "awq" / "config.json").read_text())["quantization_config"]
+    skipped = quant.pop("modules_to_not_convert")
+    assert quant == {"quant_method": "awq", "bits": 4, "group_size": 32, "zero_point": True, "version": "gemm"}
+    mtp = {"v3": "model.layers.3.", "v4": "mtp."}.get(kind)  # the MTP layers stay float
+    assert (mtp in skipped) if mtp else not any(s.startswith("model.layers.3") for s in skipped)
     llm = LLM(model=tmp_path / "awq", quantization="awq", dtype="float32", load_progress=False,
               kv_cache_memory_bytes=8 * 2**20, enforce_eager=True)
     assert any(isinstance(m, Int4Linear) for m in llm.engine.model.modules())
@@ -108,3 +110,46 @@ def test_cli(tmp_path, capsys):
                  str(tmp_path / "y")]) == 2
     assert main(["quantize", "--method", "rtn", "--out", str(tmp_path / "z"), str(tmp_path / "rtn")]) == 2
     assert "already a awq int4 checkpoint" in capsys.readouterr().err
+    assert main(["quantize", "--method", "rtn", "--out", str(tmp_path / "rtn")]) == 2
+    assert "already holds a checkpoint" in capsys.readouterr().err
+    assert main(["quantize", "--method", "awq", "--calib", str(tmp_path / "rtn" / "tokenizer.json"),
+                 "--calib-seq-len", "1", "--out", str(tmp_path / "w")]) == 2
+    assert "at least one window" in capsys.readouterr().err
+
+
+def test_fp8_source_keeps_its_float_dtype_for_what_stays_float(tmp_path):
+    """An FP8 checkpoint's weights that are not quantised (at group 128: those with 64 or 32 inputs) are written
+    in the checkpoint's float dtype, not as the float32 the loader dequantises them to."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from deepinfer.layers.quant_linear import quantize_fp8_block
+
+    save_reference(make_reference("v3"), tmp_path / "src")
+    with safe_open(str(tmp_path / "src" / "model.safetensors"), "pt") as f:
+        tensors = {n: f.get_tensor(n) for n in f.keys()}
+    fp8 = {}
+    for name, t in tensors.items():
+        if name.startswith("model.layers.1.") and name.endswith("proj.weight"):
+            fp8[name], fp8[name.removesuffix("weight") + "weight_scale_inv"] = quantize_fp8_block(t, (128, 128))
+        else:
+            fp8[name] = t.to(torch.bfloat16) if t.is_floating_point() else t
+    (tmp_path / "fp8").mkdir()
+    save_file(fp8, str(tmp_path / "fp8" / "model.safetensors"))
+    config = json.loads((tmp_path / "src" / "config.json").read_text())
+    config |= {"torch_dtype": "bfloat16",
+               "quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}}
+    (tmp_path / "fp8" / "config.json").write_text(json.dumps(config))
+    quantize(tmp_path / "fp8", tmp_path / "rtn", QuantizeOptions("rtn", 128, progress=False))
+    with safe_open(str(tmp_path / "rtn" / "model.safetensors"), "pt") as f:
+        kept = [f.get_tensor(n) for n in f.keys() if n.startswith("model.layers.1.") and n.endswith("proj.weight")]
+        assert kept and all(t.dtype == torch.bfloat16 for t in kept)  # q_b_proj, kv_b_proj, the experts' down_proj
+        assert not [n for n in f.keys() if n.endswith("weight_scale_inv")]
+        assert any(n.startswith("model.layers.1.") and n.endswith(".qweight") for n in f.keys())
+
+
+def test_packed_layers_equal_the_loaders_values_in_bf16():
+    from deepinfer.quantization.int4 import quantize_int4
+
+    w = quantize_int4(torch.randn(64, 256) * 3, 128)
+    assert torch.equal(Int4Linear(w).dequantized_weight(torch.bfloat16), w.dequantize().to(torch.bfloat16))

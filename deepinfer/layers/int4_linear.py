@@ -39,12 +39,13 @@ def group_params(scales: torch.Tensor, zeros: torch.Tensor) -> torch.Tensor:
 
 
 def dequantize_packed(packed: torch.Tensor, params: torch.Tensor, group: int, dtype: torch.dtype) -> torch.Tensor:
-    """[..., N, K] in `dtype` of packed codes [..., N, K / 2] with (scale, zero) params [..., N, K / group, 2]."""
+    """[..., N, K] in `dtype` of packed codes [..., N, K / 2] with (scale, zero) params [..., N, K / group, 2]:
+    computed in float32 and rounded once, so it equals the loader's float32 dequantisation cast to `dtype`."""
     codes = unpack_nibbles(packed)
     shape = codes.shape
-    tiles = codes.view(*shape[:-1], shape[-1] // group, group).to(dtype)
-    p = params.to(dtype)
-    return ((tiles - p[..., 1:]) * p[..., :1]).view(shape)
+    tiles = codes.view(*shape[:-1], shape[-1] // group, group).float()
+    p = params.float()
+    return ((tiles - p[..., 1:]) * p[..., :1]).view(shape).to(dtype)
 
 
 def _keep_dtype(fn: Callable[[torch.Tensor], torch.Tensor], t: torch.Tensor) -> torch.Tensor:

@@ -17,8 +17,9 @@ Invariants:
     dequantised): a rank reads only the tensors it stores. The header pass still checks every tensor;
   * a kept-quantised weight's scale has the shape its weight and block imply and finite entries, as a dequantised
     one's (CheckpointError naming both tensors otherwise);
-  * int4 (AWQ / GPTQ) weights are groups `X.qweight`, `X.qzeros`, `X.scales` (+ GPTQ's `X.g_idx`), checked whole
-    in the header pass, read whole, and yielded once as the float32 `X.weight` they stand for
+  * int4 (AWQ / GPTQ) weights are groups `X.qweight`, `X.qzeros`, `X.scales` (+ GPTQ's `X.g_idx`): the header pass
+    checks that every member is there (their shapes are checked when read), they are read whole, and yielded once
+    as the float32 `X.weight` they stand for
     (quantization/int4.py holds the layouts).
 """
 
@@ -447,8 +448,8 @@ def _int4_dequantize(stem: str, parts: dict[str, torch.Tensor], plan: _Plan, can
             return gptq_dequantize(parts["qweight"], parts["qzeros"], parts["scales"], parts.get("g_idx"),
                                    spec.group_size, spec.zeros_minus_one)
     except ValueError as e:
-        raise CheckpointError(f"{file}: int4 {spec.method} weight (group size {spec.group_size}) {stem}.{e}") from e
-    if plan.int4_sink is not None:
+        raise CheckpointError(f"{file}: int4 {spec.method} weight {stem} (group size {spec.group_size}): {e}") from e
+    if plan.int4_sink is not None and parts["scales"].dtype == torch.float16:  # kept scales are float16
         plan.int4_sink[canon] = weight
     return weight.dequantize()
 

@@ -7,7 +7,8 @@ exact arithmetic, when the consumers listed are all of x's readers; `verified_fo
 and drops every fold kind that changes its output.
 
 Fold tables by family (module paths relative to a layer, checked against the model; absent ones skipped):
-  V2 / V3 / V3.2: input_layernorm -> q_a_proj (q_proj), kv_a_proj_with_mqa; q_a_layernorm -> q_b_proj;
+  V2 / V3 / V3.2: input_layernorm -> q_a_proj (q_proj), kv_a_proj_with_mqa (and V3.2's indexer wk, weights_proj);
+    q_a_layernorm -> q_b_proj (and the indexer's wq_b);
     kv_a_layernorm -> kv_b_proj (absorbed attention reads the cached latent only through kv_b's weight);
     post_attention_layernorm -> router, routed experts' gate/up, shared experts' / dense MLP's gate/up.
   V4: attn_norm -> wq_a, wkv, the compressors' wkv / wgate, the indexer's weights_proj; q_norm -> wq_b and the
@@ -28,8 +29,9 @@ from torch import nn
 from deepinfer.distributed.model_parallel import ParallelExperts
 
 _V3_NORMS = {
-    "input_layernorm": ("self_attn.q_a_proj", "self_attn.q_proj", "self_attn.kv_a_proj_with_mqa"),
-    "self_attn.q_a_layernorm": ("self_attn.q_b_proj",),
+    "input_layernorm": ("self_attn.q_a_proj", "self_attn.q_proj", "self_attn.kv_a_proj_with_mqa",
+                        "self_attn.indexer.wk", "self_attn.indexer.weights_proj"),  # V3.2's DSA indexer reads it too
+    "self_attn.q_a_layernorm": ("self_attn.q_b_proj", "self_attn.indexer.wq_b"),
     "self_attn.kv_a_layernorm": ("self_attn.kv_b_proj",),
     "post_attention_layernorm": ("mlp.gate", "mlp.experts", "mlp.shared_experts.gate_proj",
                                  "mlp.shared_experts.up_proj", "mlp.gate_proj", "mlp.up_proj"),
@@ -55,14 +57,22 @@ class Fold:
     lead: int = 1  # leading dims of `divide` that s (flattened) spans: 2 for V3's [heads, v, latent] value rows
 
     def apply(self, s: torch.Tensor) -> None:
+        """Fold s in, keeping the previous values for `undo` (bit-exact restore)."""
+        self._saved = [t.detach().clone() for t in (self.divide, *self.consumers)]
         with torch.no_grad():
             shape = (*self.divide.shape[: self.lead], *[1] * (self.divide.dim() - self.lead))
             self.divide.div_(s.view(shape).to(self.divide.dtype))
             for w in self.consumers:
                 w.mul_(s.to(w.dtype))
 
-    def undo(self, s: torch.Tensor) -> None:
-        self.apply(1 / s)
+    def undo(self) -> None:
+        with torch.no_grad():
+            for t, saved in zip((self.divide, *self.consumers), self._saved):
+                t.copy_(saved)
+        self.forget()
+
+    def forget(self) -> None:
+        self._saved = []
 
 
 def _layers(model: nn.Module) -> list[str]:
@@ -96,7 +106,7 @@ def _norm_fold(model: nn.Module, layer: str, norm: str, readers: tuple[str, ...]
     linear = [r for r, _ in found if type(model.get_submodule(f"{layer}.{r}")) is nn.Linear]
     if producer is None or not linear:
         return None
-    searched = [p[1].reshape(-1, p[1].shape[-1]) for r, p in found if not r.endswith("gate")]
+    searched = [p[1].reshape(-1, p[1].shape[-1]) for r, p in found if r.rpartition(".")[2] != "gate"]  # routers
     names = [producer[0], *(p[0] for _, p in found)]
     return Fold(norm, producer[1], [p[1] for _, p in found], searched, f"{layer}.{linear[0]}", names)
 

@@ -7,8 +7,9 @@ group size. The dequantised float weights the loader produced are dropped, so st
 one; while loading, the float weight of each layer exists too (peak: the float model plus the packed codes).
 
 Invariants: a layer is swapped only if its forward reads the weight through the module (not `READ_AS_WEIGHT`:
-V3's absorbed kv_b_proj and V4's grouped wo_a read `.weight` as a matrix); swapped layers compute exactly what
-the dequantised layers computed (layers/int4_linear.py).
+V3's absorbed kv_b_proj and V4's grouped wo_a read `.weight` as a matrix, V3's MTP layers the LM head's); swapped
+layers compute exactly what the dequantised layers computed (layers/int4_linear.py). V3's MTP layers are built
+after loading from float tensors and stay dequantised.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from deepinfer.distributed.model_parallel import ParallelExperts
 from deepinfer.layers.int4_linear import Int4Linear, group_params
 from deepinfer.quantization.int4 import Int4Weight
 
-READ_AS_WEIGHT = ("kv_b_proj", "attn.wo_a")
+READ_AS_WEIGHT = ("kv_b_proj", "attn.wo_a", "lm_head")  # lm_head: MTP layers read its weight
 
 
 def keep_int4(model: nn.Module, sink: dict[str, Int4Weight], leaves: tuple[str, str, str]) -> int:

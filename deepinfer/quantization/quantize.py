@@ -27,6 +27,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import shutil
 import time
 from dataclasses import dataclass
@@ -40,7 +41,7 @@ from tqdm import tqdm
 from deepinfer.config import ModelConfig
 from deepinfer.distributed.model_parallel import ParallelExperts
 from deepinfer.layers.moe import swiglu
-from deepinfer.models.loader import INDEX_FILE, SINGLE_FILE, iter_checkpoint
+from deepinfer.models.loader import INDEX_FILE, SINGLE_FILE, iter_checkpoint, quantized_weights
 from deepinfer.models.quantized import V3_EXPERT_LEAVES, V4_EXPERT_LEAVES
 from deepinfer.quantization import folds
 from deepinfer.quantization.awq import SearchGrid, awq_quantize, output_error, search_scale
@@ -51,7 +52,7 @@ from deepinfer.quantization.spec import PACK, Int4Spec
 logger = logging.getLogger("deepinfer")
 METHODS = ("awq", "rtn")
 REPORT_FILE = "quantization_report.json"
-FOLD_TOLERANCE = 1e-4  # an exact fold changes float32 hidden states by rounding only
+FOLD_TOLERANCE = 1e-4  # per token, relative to its hidden state's norm: an exact fold changes it by rounding only
 _COPIED_SKIP = {SINGLE_FILE, INDEX_FILE, "config.json", REPORT_FILE}
 
 
@@ -115,7 +116,7 @@ def _head_input(model: nn.Module, run) -> torch.Tensor:
 def apply_folds(model: nn.Module, acts: Activations, cfg: ModelConfig, group: int, grid: SearchGrid,
                 check, progress: bool = True) -> tuple[set[str], dict[str, int]]:
     """Search every fold's scale on the first pass's inputs, then fold kind by kind, keeping a kind only when the
-    model's hidden states on `check()` stay within FOLD_TOLERANCE (relative to their largest) of before. Returns
+    model's hidden states on `check()` stay within FOLD_TOLERANCE of before (every token, relative to its norm). Returns
     the parameter names changed and the folds kept per kind."""
     searched = _searched_folds(model, acts, cfg, group, grid, progress)
     before, changed, kept = _head_input(model, check), set(), {}
@@ -140,17 +141,18 @@ def _searched_folds(model: nn.Module, acts: Activations, cfg: ModelConfig, group
 
 
 def _fold_exactly(model: nn.Module, of_kind: list, before: torch.Tensor, check) -> bool:
-    """Apply the folds; undo them (False) when the hidden states move by more than FOLD_TOLERANCE."""
+    """Apply the folds; undo them (False) when some token's hidden state moves by more than FOLD_TOLERANCE."""
     for f, s in of_kind:
         f.apply(s)
-    change = float((_head_input(model, check) - before).abs().max()) / float(before.abs().max())
-    if change <= FOLD_TOLERANCE:
-        return True
-    logger.warning("AWQ: folding the %d %s scales changes the model's hidden states by %.2g (relative); not folded "
-                   "there", len(of_kind), of_kind[0][0].kind, change)
-    for f, s in of_kind:
-        f.undo(s)
-    return False
+    after = _head_input(model, check)
+    change = float(((after - before).norm(dim=-1) / before.norm(dim=-1).clamp_min(1e-30)).max())
+    exact = change <= FOLD_TOLERANCE
+    for f, _ in of_kind:
+        f.forget() if exact else f.undo()
+    if not exact:
+        logger.warning("AWQ: folding the %d %s scales changes the model's hidden states by %.2g (relative, per "
+                       "token); not folded there", len(of_kind), of_kind[0][0].kind, change)
+    return exact
 
 
 def quantize_targets(targets: dict[str, Target], method: str, group: int, grid: SearchGrid,
@@ -213,8 +215,11 @@ def write_checkpoint(src: Path, out: Path, cfg: ModelConfig, quantized: dict[str
     overrides = overrides or {}
     out.mkdir(parents=True, exist_ok=True)
     writer, replaced = _ShardWriter(out, shard_bytes), set()
+    stored = _float_dtype(cfg)
+    source_quantized = set(quantized_weights(src, cfg.model_type))  # FP8 / FP4 in the source: written in `stored`
     for name, tensor, _ in iter_checkpoint(src, cfg.model_type, cfg.weight_block_size, progress=progress):
         stem = name.removesuffix(".weight")
+        tensor = tensor.to(stored) if name in source_quantized else tensor
         if stem in quantized:
             replaced.add(stem)
             for leaf, part in awq_tensors(quantized[stem]).items():
@@ -228,6 +233,13 @@ def write_checkpoint(src: Path, out: Path, cfg: ModelConfig, quantized: dict[str
     writer.close()
     _write_config(src, out, spec)
     _copy_rest(src, out)
+
+
+def _float_dtype(cfg: ModelConfig) -> torch.dtype:
+    """The checkpoint's own float dtype (config torch_dtype), for weights it stored FP8 / FP4 that stay float."""
+    dtype = getattr(torch, cfg.hf_dtype, None)
+    return dtype if isinstance(dtype, torch.dtype) and dtype.is_floating_point and dtype.itemsize >= 2 \
+        else torch.bfloat16
 
 
 def _write_config(src: Path, out: Path, spec: Int4Spec) -> None:
@@ -271,23 +283,33 @@ def _check(src: Path, cfg: ModelConfig, opts: QuantizeOptions) -> None:
         raise ValueError("AWQ quantisation of deepseek_v41 is not supported (its checkpoints ship FP8 / FP4)")
     if opts.group_size <= 0 or opts.group_size % PACK:
         raise ValueError(f"--group-size {opts.group_size}: need a positive multiple of {PACK}")
+    if opts.calib_samples < 1 or opts.calib_seq_len < 2:
+        raise ValueError(f"--calib-samples {opts.calib_samples} / --calib-seq-len {opts.calib_seq_len}: need at "
+                         "least one window of at least 2 tokens")
+
+
+def _check_out(src: Path, out: Path) -> None:
+    if out.resolve() == src.resolve():
+        raise ValueError(f"--out {out} is the source checkpoint; write to a new directory")
+    if out.exists() and (any(out.glob("*.safetensors")) or (out / "config.json").exists()):
+        raise ValueError(f"--out {out} already holds a checkpoint; choose a new or empty directory")
 
 
 def quantize(src: str | Path, out: str | Path, opts: QuantizeOptions = QuantizeOptions()) -> dict:
     """Quantise the checkpoint at `src` into `out` (see the module docstring); returns the report it writes."""
-    from deepinfer.llm import LLM
 
     src, out, start = Path(src), Path(out), time.perf_counter()
     cfg = ModelConfig.from_hf(src)
     _check(src, cfg, opts)
-    llm = LLM(model=src, dtype="float32", enforce_eager=True, enable_prefix_caching=False)
+    _check_out(src, out)
+    llm = _float_engine(src)
     try:
         found = _calibrated_targets(llm, cfg, opts)
     finally:
         llm.shutdown()
     quantized = quantize_targets(found.targets, opts.method, opts.group_size, opts.grid, opts.progress)
-    write_checkpoint(src, out, cfg, quantized, Int4Spec("awq", opts.group_size), found.overrides,
-                     progress=opts.progress)
+    spec = Int4Spec("awq", opts.group_size, modules_to_not_convert=found.float_modules)
+    write_checkpoint(src, out, cfg, quantized, spec, found.overrides, progress=opts.progress)
     report = _report(src, found, quantized, opts, time.perf_counter() - start)
     (out / REPORT_FILE).write_text(json.dumps(report, indent=1) + "\n")
     return report
@@ -300,6 +322,7 @@ class _Found:
     windows: int = 0
     folds: dict[str, int] | None = None  # folds kept per kind
     rtn_error: dict[str, float] | None = None  # round-to-nearest's calibration error of each weight, unfolded
+    float_modules: tuple[str, ...] = ()  # linear layers left float (quantization_config.modules_to_not_convert)
 
 
 def _calibrated_targets(llm, cfg: ModelConfig, opts: QuantizeOptions) -> _Found:
@@ -307,7 +330,8 @@ def _calibrated_targets(llm, cfg: ModelConfig, opts: QuantizeOptions) -> _Found:
     model, group = llm.engine.model, opts.group_size
     if opts.method != "awq":
         acts = Activations()
-        return _Found({**linear_targets(model, acts, cfg, group), **expert_targets(model, acts, cfg, group)}, {})
+        targets = {**linear_targets(model, acts, cfg, group), **expert_targets(model, acts, cfg, group)}
+        return _Found(targets, {}, float_modules=_float_modules(model, cfg, targets))
     text = Path(opts.calib).read_text(encoding="utf-8", errors="replace")
     windows = calibration_windows(text, llm._require_tokenizer(), opts.calib_samples, opts.calib_seq_len)
     run = _runner(llm, windows, opts.progress)
@@ -319,7 +343,32 @@ def _calibrated_targets(llm, cfg: ModelConfig, opts: QuantizeOptions) -> _Found:
     if kept:
         acts = capture(model, run)  # the folded model's inputs (divided by the folded scales)
     targets = {**linear_targets(model, acts, cfg, group), **expert_targets(model, acts, cfg, group)}
-    return _Found(targets, _overrides(model, changed, targets), len(windows), kept, rtn)
+    return _Found(targets, _overrides(model, changed, targets), len(windows), kept, rtn,
+                  _float_modules(model, cfg, targets))
+
+
+def _float_modules(model: nn.Module, cfg: ModelConfig, targets: dict[str, Target]) -> tuple[str, ...]:
+    """What other readers must not expect int4 for: the main layers' linears left float, and the MTP layers."""
+    left = [p for p, m in model.named_modules() if type(m) is nn.Linear and _main_layer(p, cfg) and p not in targets]
+    mtp = ["mtp."] if cfg.is_v4 else [f"model.layers.{cfg.num_layers + k}." for k in range(cfg.num_mtp_layers)]
+    return tuple(sorted(left) + mtp)
+
+
+def _float_engine(src: Path):
+    """The model with every weight dequantised to float32 (FP8 / FP4 sources too, whatever the environment says),
+    eager, without prefix caching (every calibration token runs through every layer)."""
+    from deepinfer.engine.core import KEEP_QUANTIZED_ENV
+    from deepinfer.llm import LLM
+
+    saved = os.environ.get(KEEP_QUANTIZED_ENV)
+    os.environ[KEEP_QUANTIZED_ENV] = "0"
+    try:
+        return LLM(model=src, dtype="float32", enforce_eager=True, enable_prefix_caching=False)
+    finally:
+        if saved is None:
+            os.environ.pop(KEEP_QUANTIZED_ENV)
+        else:
+            os.environ[KEEP_QUANTIZED_ENV] = saved
 
 
 def _runner(llm, windows: list[list[int]], progress: bool = False):
