@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from deepinfer.kernels import triton_enabled
+from deepinfer.layers.quant_linear import _keep_dtype
 from deepinfer.quantization.int4 import Int4Weight
 
 
@@ -46,11 +47,6 @@ def dequantize_packed(packed: torch.Tensor, params: torch.Tensor, group: int, dt
     tiles = codes.view(*shape[:-1], shape[-1] // group, group).float()
     p = params.float()
     return ((tiles - p[..., 1:]) * p[..., :1]).view(shape).to(dtype)
-
-
-def _keep_dtype(fn: Callable[[torch.Tensor], torch.Tensor], t: torch.Tensor) -> torch.Tensor:
-    out = fn(t)
-    return out if out.dtype == t.dtype else t.to(out.device)
 
 
 class Int4Linear(nn.Module):

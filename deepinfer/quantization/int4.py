@@ -110,6 +110,18 @@ def awq_tensors(w: Int4Weight) -> dict[str, torch.Tensor]:
             "scales": w.scales.t().contiguous().to(torch.float16)}
 
 
+def _check_gptq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, group: int) -> tuple[int, int]:
+    """(inputs, groups) of a GPTQ triple whose shapes and dtypes fit (ValueError naming the member otherwise)."""
+    if qweight.dim() != 2:
+        raise ValueError(f"qweight: expected 2-D int32 [in / 8, out], got {tuple(qweight.shape)}")
+    cols, out = qweight.shape[0] * PACK, qweight.shape[1]
+    g = _groups(scales, cols, group)
+    _check("qweight", qweight, (cols // PACK, out), (torch.int32,))
+    _check("qzeros", qzeros, (g, out // PACK), (torch.int32,))
+    _check("scales", scales, (g, out), _SCALE_DTYPES)
+    return cols, g
+
+
 def gptq_weight(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, g_idx: torch.Tensor | None,
                 group: int, zeros_minus_one: bool = True) -> Int4Weight | None:
     """The Int4Weight of a GPTQ quadruple whose inputs sit in consecutive groups (no g_idx, or the trivial one);
@@ -117,7 +129,7 @@ def gptq_weight(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tenso
     cols = qweight.shape[0] * PACK
     if g_idx is not None and not torch.equal(g_idx.long(), torch.arange(cols) // group):
         return None
-    gptq_dequantize(qweight, qzeros, scales, None, group, zeros_minus_one)  # the shape checks, same messages
+    _check_gptq(qweight, qzeros, scales, group)
     codes = unpack_int32(qweight.t().contiguous())
     zeros = (unpack_int32(qzeros) + int(zeros_minus_one)).t().contiguous()
     return Int4Weight(codes, zeros, scales.float().t().contiguous(), group)
@@ -126,13 +138,7 @@ def gptq_weight(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tenso
 def gptq_dequantize(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, g_idx: torch.Tensor | None,
                     group: int, zeros_minus_one: bool = True) -> torch.Tensor:
     """float32 [out, in] of a GPTQ quadruple (g_idx None: input i is in group i // group)."""
-    if qweight.dim() != 2:
-        raise ValueError(f"qweight: expected 2-D int32 [in / 8, out], got {tuple(qweight.shape)}")
-    cols, out = qweight.shape[0] * PACK, qweight.shape[1]
-    g = _groups(scales, cols, group)
-    _check("qweight", qweight, (cols // PACK, out), (torch.int32,))
-    _check("qzeros", qzeros, (g, out // PACK), (torch.int32,))
-    _check("scales", scales, (g, out), _SCALE_DTYPES)
+    cols, g = _check_gptq(qweight, qzeros, scales, group)
     groups = torch.arange(cols) // group if g_idx is None else g_idx.long()
     if groups.shape != (cols,) or int(groups.min()) < 0 or int(groups.max()) >= g:
         raise ValueError(f"g_idx: expected {cols} group indices in [0, {g}), got shape {tuple(groups.shape)}")
