@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-from v41_golden import GOLDEN, golden_threads  # noqa: F401  (autouse: the goldens' threads)
+from v41_golden import GOLDEN, golden_threads, load_golden  # noqa: F401  (autouse: the goldens' threads)
 
 from deepinfer import LLM, SamplingParams
 from deepinfer.config import ConfigError, ModelConfig
@@ -29,8 +29,7 @@ LOGIT_TOL = 1e-4  # log-prob tolerance the issue sets; measured 0.0 on this suit
 
 
 def _golden(name: str):
-    g = json.loads((GOLDEN / name / "golden.json").read_text())
-    return g, load_file(str(GOLDEN / name / "golden.safetensors"))
+    return load_golden(name)
 
 
 def _llm(name: str, **options) -> LLM:

@@ -3,12 +3,10 @@
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 from safetensors.torch import load_file
-from v41_golden import GOLDEN, golden_threads  # noqa: F401  (autouse: the goldens' threads)
+from v41_golden import GOLDEN, golden_threads, load_golden  # noqa: F401  (autouse: the goldens' threads)
 
 from deepinfer import LLM, SamplingParams
 from deepinfer.config import ModelConfig
@@ -29,7 +27,7 @@ def loaded(request):
     path = GOLDEN / request.param
     cfg = ModelConfig.from_hf(path)
     model = load_model(path, cfg, torch.bfloat16, torch.device("cpu"))
-    return request.param, model, json.loads((path / "golden.json").read_text()), load_file(path / "golden.safetensors")
+    return request.param, model, *load_golden(request.param)
 
 
 def _drive(model, proposer, prompt: list[int], steps: int):
@@ -97,7 +95,7 @@ def _run(name: str, spec: dict | None, prompts, params, batched: bool):
 @pytest.mark.parametrize("name,k", [pytest.param("a", 2, marks=pytest.mark.slow),
                                     pytest.param("b", 3, marks=pytest.mark.slow), ("b", 1)])
 def test_greedy_is_identical_with_dspark(name, k):
-    g = json.loads((GOLDEN / name / "golden.json").read_text())
+    g = load_golden(name)[0]
     prompts = [{"prompt_token_ids": p} for p in g["prompts"]]
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     spec = {"method": "dspark", "num_speculative_tokens": k}
@@ -112,7 +110,7 @@ def test_greedy_is_identical_with_dspark(name, k):
 
 def test_acceptance_is_reported():
     """The seeded heads are untrained: on b (k = 3, 3 prompts x 24 tokens) 2 of 372 drafts are accepted."""
-    g = json.loads((GOLDEN / "b" / "golden.json").read_text())
+    g = load_golden("b")[0]
     prompts = [{"prompt_token_ids": p} for p in g["prompts"]]
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
     out, stats = _run("b", {"method": "dspark", "num_speculative_tokens": 3}, prompts, params, True)
@@ -122,7 +120,7 @@ def test_acceptance_is_reported():
 
 
 def test_sampling_with_dspark_runs():
-    g = json.loads((GOLDEN / "b" / "golden.json").read_text())
+    g = load_golden("b")[0]
     prompts = [{"prompt_token_ids": p} for p in g["prompts"]]
     params = SamplingParams(max_tokens=10, temperature=0.8, top_p=0.95, seed=3, ignore_eos=True)
     out, stats = _run("b", {"method": "dspark", "num_speculative_tokens": 2}, prompts, params, True)
@@ -154,7 +152,7 @@ class _Rejected(Proposer):
 def test_backbone_is_lossless_under_rejected_drafts(monkeypatch):
     import deepinfer.engine.core as core
 
-    g = json.loads((GOLDEN / "a" / "golden.json").read_text())
+    g = load_golden("a")[0]
     prompts = [{"prompt_token_ids": p} for p in g["prompts"]]
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
     base, _ = _run("a", None, prompts, params, True)
@@ -166,7 +164,7 @@ def test_backbone_is_lossless_under_rejected_drafts(monkeypatch):
 @pytest.mark.slow
 def test_confidence_scheduled_verify_length_is_lossless():
     """verify_policy adaptive: the DSpark confidence head's probabilities set each request's verify length."""
-    g = json.loads((GOLDEN / "b" / "golden.json").read_text())
+    g = load_golden("b")[0]
     prompts = [{"prompt_token_ids": p} for p in g["prompts"]]
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     spec = {"method": "dspark", "num_speculative_tokens": 3, "verify_policy": "adaptive"}
