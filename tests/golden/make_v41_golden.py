@@ -7,10 +7,16 @@
 CPU-runnable copy of DeepSeek-V4.1-Flash `inference/`). It is imported as a package at generation
 time and never copied. For every tiny config below this writes, under `<out>/<name>/`:
 
-  config.json            the checkpoint's HF layout (text_config; no vision)
+  config.json            the checkpoint's HF layout (text_config; vision_config for the vision config)
   model.safetensors      seeded weights under the reference's parameter names, in checkpoint dtypes
   tokenizer.json (+ tokenizer_config.json)   a WordLevel tokenizer whose Engram token map merges tokens
-  golden.json / golden.safetensors           greedy logits/tokens (and DSpark drafts) from the reference
+  cpu/<kind>/golden.json / golden.safetensors  greedy logits/tokens (and DSpark drafts) from the reference, for
+                                               this CPU kind's kernels (tests/v41_golden.py)
+
+Configs a and b are text only. Config v adds the reference's vision path (ViT + aligner, image span
+embeddings, the VL routing bias): it also writes seeded PNGs under `<out>/v/images/`, runs prompts with
+images through the reference's own image processor, and stores per-image patches, ViT and aligner
+outputs next to the greedy goldens.
 
 Each config runs in its own interpreter (`--one NAME`): the reference keeps module globals and a
 `shared_attn` singleton, one model per process.
@@ -20,9 +26,11 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import io
 import json
 import math
 import os
+import platform
 import subprocess
 import sys
 import types
@@ -81,10 +89,40 @@ CONFIGS = {
         dspark_block_size=3, dspark_noise_token_id=511, dspark_target_layer_ids=(5, 6, 7),
         dspark_markov_rank=32, dspark_n_routed_experts=4, dspark_n_activated_experts=1,
     ),
+    # a's attention shapes on 4 layers (SWA, ratio-2 kv/index source, ratio-1 kv/index/candidate source, ratio-1
+    # candidate consumer); narrower experts, one Engram head and no DSpark keep the files small; a tiny ViT
+    "v": dict(
+        vocab_size=512, dim=256, moe_inter_dim=32, n_layers=4, n_mtp_layers=0, n_heads=4,
+        n_routed_experts=4, n_activated_experts=2, q_lora_rank=64, head_dim=64, rope_head_dim=16,
+        o_groups=2, o_lora_rank=64, window_size=16, compress_ratios=(0, 2, 1, 1),
+        kv_source_layers=(1, 2), index_source_layers=(1, 2, 3), index_n_heads=4, index_head_dim=64,
+        index_topk=8, candidate_source_layer=2, candidate_topk_blocks=3, candidate_block_size=4,
+        engram_layer_ids=(0, 1), engram_vocab_size=100, engram_n_heads=1, engram_head_dim=32,
+        dspark_block_size=0, dspark_noise_token_id=511, dspark_target_layer_ids=(),
+        dspark_markov_rank=32, dspark_n_routed_experts=0, dspark_n_activated_experts=0,
+        vision_n_layers=2, vision_dim=64, vision_n_heads=4, vision_inter_dim=96, vision_patch_size=4,
+        vision_rope_theta=10000.0, vision_downsample_ratio=2, vision_max_n_token=64, vision_min_pixels=1024,
+        vision_max_wh_ratio=3,
+        image_token_id=510,  # vocab_size - 2: never drawn in the prompts' text
+    ),
 }
-SEEDS = {"a": 0, "b": 1}
+SEEDS = {"a": 0, "b": 1, "v": 2}
 PROMPT_LENS = (7, 41, 101)  # odd: the last prompt token falls mid-group for ratio-2 layers
 N_GENERATED = 12  # one prefill step plus 11 decode steps, greedy, EOS ignored
+
+# vision configs: seeded images (name -> width, height), each a smooth random colour field (low-res noise,
+# one colour per IMAGE_NOISE_CELL pixels, upsampled), so the reference's resizing shows in the patches
+IMAGES = {
+    "wide": (96, 24),  # width >= max_wh_ratio * height: stretched to 3:1 (Image.resize)
+    "tall": (30, 52),  # aspect kept, padded to whole patches (ImageOps.pad)
+    "small": (12, 10),  # below min_pixels: planned upscaled
+    "big": (200, 120),  # more than max_image_tokens at full size: safe_resize shrinks it
+    "plain": (40, 24),
+}
+IMAGE_NOISE_CELL = 8
+# the prompts: text runs (number of drawn ids) and images (one placeholder each), in order
+VISION_PROMPTS = ((9, "plain", 7), (5, "wide", 6, "tall", 4), (1, "small", 20), (3, "big", 5))
+TEXT_ONLY_PROMPT = 1  # also run with its image spans as plain image tokens (no images, no token types)
 
 # ModelArgs field -> key in the HF config's text_config ("rope_scaling.x" goes into that sub-dict)
 HF_TEXT_KEYS = {
@@ -150,6 +188,20 @@ HF_TEXT_FIXED = {
     "topk_method": "noaux_tc",
     "rope_scaling.rope_type": "yarn",
 }
+# ModelArgs field -> key in the HF config's vision_config (vision configs only)
+HF_VISION_KEYS = {
+    "vision_n_layers": "num_hidden_layers",
+    "vision_dim": "hidden_size",
+    "vision_n_heads": "num_attention_heads",
+    "vision_inter_dim": "intermediate_size",
+    "vision_patch_size": "patch_size",
+    "vision_rope_theta": "rope_theta",
+    "vision_downsample_ratio": "downsample_ratio",
+    "vision_max_n_token": "max_image_tokens",
+    "vision_min_pixels": "min_pixels",
+    "vision_max_wh_ratio": "max_wh_ratio",
+}
+HF_VISION_FIXED = {"model_type": "deepseek_v41_vision"}
 
 SPECIAL_TOKENS = ("<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜▁pad▁｜>")
 
@@ -180,6 +232,8 @@ NORM_MEANS = {
     "k_norm": 0.5,
 }
 GAINS = {"wq_a": 1.6, "wq_b": 0.95, "wkv": 1.8, "wo_a": 1.6, "wo_b": 1.9, "gate": 2.9, "w1": 1.5, "w3": 1.5, "w2": 1.05}
+VISION_BIAS_STD = 0.02  # the ViT's and aligner's Linear biases
+SPAN_EMBEDDINGS = ("image_start", "image_end", "image_newline")  # drawn like the token embedding
 FP8_MAX = 448.0
 E2M1_RMS = 3.2  # RMS of uniformly random e2m1 codes
 BLOCK = 32
@@ -303,7 +357,7 @@ def hf_config(args) -> dict:
     for field, key in HF_TEXT_KEYS.items():
         put(key, getattr(args, field))
     assert text["n_shared_experts"] == 1
-    return {
+    config = {
         "architectures": ["DeepseekV41ForCausalLM"],
         "model_type": "deepseek_v41",
         "dtype": "bfloat16",
@@ -320,6 +374,18 @@ def hf_config(args) -> dict:
         },
         "text_config": text,
     }
+    if args.vision_enabled:
+        assert args.image_token_id == config["image_token_id"], args.image_token_id
+        config["vision_config"] = hf_vision_config(args)
+    return config
+
+
+def hf_vision_config(args) -> dict:
+    """The HF config's vision_config: the ViT/aligner shapes and the image processor's limits."""
+    vision = dict(HF_VISION_FIXED)
+    for field, key in HF_VISION_KEYS.items():
+        vision[key] = getattr(args, field)
+    return vision
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -376,6 +442,24 @@ def is_wo_a(name: str) -> bool:
     return name.endswith("attn.wo_a.weight")
 
 
+def is_vision_param(name: str) -> bool:
+    """The ViT, the aligner and the image span embeddings (the gates' bias_vl is drawn like bias)."""
+    return name.startswith(("vision.", "aligner.")) or name in SPAN_EMBEDDINGS
+
+
+def vision_weight(owner: torch.nn.Module, name: str, p: torch.Tensor, randn) -> torch.Tensor:
+    """fp32 draw for a vision parameter: projections fan_in^-0.5, biases small, norm weights 1 +-10 %."""
+    leaf = name.rpartition(".")[2]
+    if name in SPAN_EMBEDDINGS:
+        return EMBED_STD * randn(*p.shape)
+    if isinstance(owner, torch.nn.Linear):
+        if leaf == "weight":
+            return p.size(1) ** -0.5 * randn(*p.shape)
+        return VISION_BIAS_STD * randn(*p.shape)
+    assert type(owner).__name__ == "RMSNorm" and leaf == "weight", name
+    return 1 + 0.1 * randn(*p.shape)
+
+
 @torch.no_grad()
 def init_weights(v41, model, seed: int) -> dict[str, torch.Tensor]:
     """Fill the model's parameters in named_parameters order; returns the checkpoint (official names/dtypes)."""
@@ -415,7 +499,9 @@ def init_weights(v41, model, seed: int) -> dict[str, torch.Tensor]:
             p.copy_(dequant_fp8_tiles(q, s).to(p.dtype))
             ckpt[name], ckpt[f"{owner_name}.scale"] = q, s
         else:
-            if isinstance(owner, v41.RMSNorm):
+            if is_vision_param(name):
+                w = vision_weight(owner, name, p, randn)
+            elif isinstance(owner, v41.RMSNorm):
                 w = _norm_mean(owner_name) * (1 + 0.1 * randn(*p.shape))
             elif isinstance(owner, v41.ParallelEmbedding):
                 w = EMBED_STD * randn(*p.shape)
@@ -495,11 +581,12 @@ class Patched:
         self.v41.Indexer.forward = self.saved_indexer
 
 
-def greedy(model, prompt: torch.Tensor, with_dspark: bool) -> dict[str, torch.Tensor]:
-    """The reference schedule: prefill from 0, then one token per step; DSpark after every backbone step."""
+def greedy(model, prompt: torch.Tensor, with_dspark: bool, images=None, token_types=None) -> dict[str, torch.Tensor]:
+    """The reference schedule: prefill from 0, then one token per step; DSpark after every backbone step.
+    `images` / `token_types` (vision configs) go to the prefill only: image spans lie in the prompt."""
     n = prompt.numel()
     logits_steps, tokens, drafts, draft_logits, confidences = [], [], [], [], []
-    out_ids, logits, main_hidden = model(prompt[None], 0)
+    out_ids, logits, main_hidden = model(prompt[None], 0, images=images, token_types=token_types)
     if with_dspark:
         assert model.forward_spec(out_ids, main_hidden, 0) is None
     for step in range(N_GENERATED):
@@ -529,6 +616,230 @@ def prefill_vs_decode(model, prompt: torch.Tensor) -> float:
     model(prompt[None, : n - 1], 0)
     step = model(prompt[None, n - 1 :], n - 1)[1].float()
     return float((full - step).abs().max())
+
+
+# ---------------------------------------------------------------------------------------------------
+# text configs
+
+
+def text_goldens(v41, model, args, name: str, seed: int) -> tuple[dict[str, torch.Tensor], dict]:
+    """Text configs: three drawn prompts on both tracks, with DSpark drafts and prefill-vs-decode."""
+    gen = torch.Generator().manual_seed(1000 + seed)
+    # ids 0..2 are special; the top two ids (image token, DSpark noise token) are left out too
+    prompts = [torch.randint(3, args.vocab_size - 2, (n,), generator=gen) for n in PROMPT_LENS]
+    needed = args.candidate_topk_blocks * args.candidate_block_size * args.compress_ratios[args.candidate_source_layer]
+    assert max(PROMPT_LENS) > needed
+
+    tensors: dict[str, torch.Tensor] = {}
+    tracks: dict = {}
+    for track in ("fixed", "upstream"):
+        with Patched(v41, track):
+            info = {"patches": TRACK_PATCHES[track], "tokens": [], "prefill_vs_decode_max_abs": []}
+            for i, prompt in enumerate(prompts):
+                res = greedy(model, prompt, with_dspark=track == "fixed")
+                for key, t in res.items():
+                    tensors[f"{track}.p{i}.{key}"] = t.contiguous()
+                info["tokens"].append(res["tokens"].tolist())
+                info["prefill_vs_decode_max_abs"].append(prefill_vs_decode(model, prompt))
+        tracks[track] = info
+        print(f"[{name}] {track}: prefill-vs-decode {info['prefill_vs_decode_max_abs']}", flush=True)
+        for toks in info["tokens"]:
+            print(f"[{name}] {track} tokens {toks}", flush=True)
+            assert len(set(toks)) > 1, "degenerate greedy output"
+    for i, prompt in enumerate(prompts):
+        tensors[f"prompt.p{i}"] = prompt.to(torch.int64)
+
+    golden = {
+        "config": name,
+        "seed": seed,
+        "prompt_seed": 1000 + seed,
+        "schedule": (
+            "prefill model(ids[None], 0), then model(tok[None, None], pos) one token per step; greedy "
+            f"(temperature 0), {N_GENERATED} generated tokens (1 prefill + {N_GENERATED - 1} decode steps), EOS "
+            "ignored. DSpark (fixed track only): forward_spec(output_ids, main_hidden, pos) after every "
+            "backbone step; the prefill call seeds caches and returns None, each decode call returns "
+            "(output_ids [1, block+1], logits [1, block, vocab], confidence [1, block])."
+        ),
+        "prefill_vs_decode": (
+            "max |logits| difference between prefill(n) and prefill(n-1) followed by one decode step of token n-1"
+        ),
+        "prompts": [p.tolist() for p in prompts],
+        "tracks": tracks,
+        "patches": {k: PATCHES[k] for k in PATCHES},
+    }
+    return tensors, golden
+
+
+# ---------------------------------------------------------------------------------------------------
+# images (vision configs)
+
+
+def smooth_image(width: int, height: int, gen: torch.Generator):
+    """A smooth random RGB field: one random colour per IMAGE_NOISE_CELL pixels, bicubic-upsampled."""
+    from PIL import Image
+
+    cells = (max(2, -(-height // IMAGE_NOISE_CELL)), max(2, -(-width // IMAGE_NOISE_CELL)), 3)
+    noise = torch.randint(0, 256, cells, generator=gen, dtype=torch.int32).to(torch.uint8)
+    return Image.fromarray(noise.numpy()).resize((width, height), Image.Resampling.BICUBIC)
+
+
+def write_images(image_dir: Path, seed: int) -> dict[str, bytes]:
+    """Draw IMAGES from one seeded generator and write them as PNGs; returns each file's bytes."""
+    image_dir.mkdir(parents=True, exist_ok=True)
+    gen = torch.Generator().manual_seed(seed)
+    files = {}
+    for name, (width, height) in IMAGES.items():
+        buf = io.BytesIO()
+        smooth_image(width, height, gen).save(buf, format="PNG")
+        (image_dir / f"{name}.png").write_bytes(buf.getvalue())
+        files[name] = (image_dir / f"{name}.png").read_bytes()
+    return files
+
+
+def vision_prompt(layout: tuple, args, gen: torch.Generator) -> tuple[torch.Tensor, list[str]]:
+    """Unexpanded ids: drawn text runs, and one image_token_id per image where a user puts a placeholder."""
+    parts, names = [], []
+    for item in layout:
+        if isinstance(item, str):
+            parts.append(torch.tensor([args.image_token_id]))
+            names.append(item)
+        else:
+            parts.append(torch.randint(3, args.vocab_size - 2, (item,), generator=gen))
+    return torch.cat(parts), names
+
+
+def expand_placeholders(ip, ids: torch.Tensor, records: list[dict], args):
+    """image_processor.prepare_vl_inputs after tokenizing (it imports an `encoding` module upstream does not
+    ship): each placeholder becomes its image's span of image_token_id, typed by image_token_types.
+    Returns (ids, token_types, [ImageInput], [(n_llm_h, n_llm_w)])."""
+    tokens, token_types, inputs, grids = [], [], [], []
+    records = iter(records)
+    for tok in ids.tolist():
+        if tok != args.image_token_id:
+            tokens.append(tok)
+            token_types.append(ip.TEXT)
+            continue
+        patches, n_vit_h, n_vit_w, n_llm_h, n_llm_w = ip.load_image(next(records), args)
+        types = ip.image_token_types(n_llm_h, n_llm_w)
+        inputs.append(ip.ImageInput(len(tokens), patches, n_vit_h, n_vit_w, types))
+        grids.append((n_llm_h, n_llm_w))
+        tokens += [args.image_token_id] * types.numel()
+        token_types += types.tolist()
+    return torch.tensor(tokens, dtype=torch.int64), torch.tensor(token_types, dtype=torch.int64), inputs, grids
+
+
+@torch.inference_mode()
+def image_goldens(ip, model, files: dict[str, bytes], args) -> tuple[dict[str, torch.Tensor], dict]:
+    """Per image file: the reference's patches, ViT output and encode_image output, and its resize plan."""
+    from PIL import Image
+
+    tensors, info = {}, {}
+    for name, data in files.items():
+        patches, n_vit_h, n_vit_w, n_llm_h, n_llm_w = ip.load_image({"data": data}, args)
+        vit = model.vision(patches, n_vit_h, n_vit_w)
+        encoded = model.encode_image(patches, n_vit_h, n_vit_w)
+        assert torch.equal(encoded, model.aligner(vit, n_vit_h, n_vit_w)), name
+        assert encoded.shape[0] == n_llm_h * n_llm_w, name
+        tensors[f"image.{name}.patches"] = patches.contiguous()
+        tensors[f"image.{name}.vit"] = vit.contiguous()
+        tensors[f"image.{name}.encoded"] = encoded.contiguous()
+        with Image.open(io.BytesIO(data)) as im:
+            width, height = im.size
+        _, _, best_height, best_width = ip.plan_image_grid(width, height, args)
+        stretch = args.vision_max_wh_ratio is not None and width >= args.vision_max_wh_ratio * height
+        info[name] = {
+            "file": f"images/{name}.png",
+            "size": [width, height],
+            "resized_to": [best_width, best_height],
+            "resize": "stretch (Image.resize)" if stretch else "pad (ImageOps.pad, grey 127, centred)",
+            "n_vit_h": n_vit_h,
+            "n_vit_w": n_vit_w,
+            "n_llm_h": n_llm_h,
+            "n_llm_w": n_llm_w,
+            "span_tokens": ip.num_image_tokens(n_llm_h, n_llm_w),
+        }
+    return tensors, info
+
+
+def vision_goldens(v41, model, args, name: str, seed: int, out_dir: Path) -> tuple[dict[str, torch.Tensor], dict]:
+    """Vision configs: seeded images, prompts with image placeholders expanded as the reference does, the fixed
+    track's greedy goldens with images, and p{TEXT_ONLY_PROMPT} once more as plain image tokens."""
+    ip = importlib.import_module(f"{PKG}.image_processor")
+    files = write_images(out_dir / "images", 2000 + seed)
+    tensors, images = image_goldens(ip, model, files, args)
+
+    gen = torch.Generator().manual_seed(1000 + seed)
+    prompts, golden_prompts = [], []
+    for i, layout in enumerate(VISION_PROMPTS):
+        ids, names = vision_prompt(layout, args, gen)
+        expanded, types, inputs, grids = expand_placeholders(ip, ids, [{"data": files[n]} for n in names], args)
+        for n, img in zip(names, inputs):
+            assert torch.equal(img.patches, tensors[f"image.{n}.patches"]), n
+        prompts.append((expanded, types, inputs))
+        tensors[f"prompt.p{i}"] = ids
+        tensors[f"input_ids.p{i}"] = expanded
+        tensors[f"token_types.p{i}"] = types
+        golden_prompts.append({
+            "ids": ids.tolist(),
+            "input_ids": expanded.tolist(),
+            "token_types": types.tolist(),
+            "images": [
+                {"image": n, "file": images[n]["file"], "start": img.start, "span_tokens": img.types.numel(),
+                 "n_vit_h": img.n_vit_h, "n_vit_w": img.n_vit_w, "n_llm_h": h, "n_llm_w": w}
+                for n, img, (h, w) in zip(names, inputs, grids)
+            ],
+        })
+
+    def run(i: int, with_images: bool = True) -> dict[str, torch.Tensor]:
+        expanded, types, inputs = prompts[i]
+        if not with_images:
+            return greedy(model, expanded, with_dspark=False)
+        return greedy(model, expanded, with_dspark=False, images=[inputs], token_types=types[None])
+
+    info = {"patches": TRACK_PATCHES["fixed"], "tokens": []}
+    with Patched(v41, "fixed"):
+        for i in range(len(prompts)):
+            res = run(i)
+            for key, t in res.items():
+                tensors[f"fixed.p{i}.{key}"] = t.contiguous()
+            info["tokens"].append(res["tokens"].tolist())
+            print(f"[{name}] fixed tokens {info['tokens'][-1]}", flush=True)
+            assert len(set(info["tokens"][-1])) > 1, "degenerate greedy output"
+        text_only = run(TEXT_ONLY_PROMPT, with_images=False)["tokens"]
+        again = run(TEXT_ONLY_PROMPT)
+    tensors[f"text_only.p{TEXT_ONLY_PROMPT}.tokens"] = text_only
+    print(f"[{name}] p{TEXT_ONLY_PROMPT} without images: tokens {text_only.tolist()}", flush=True)
+    # self-checks: the images change the output, and a second run reproduces the first bit for bit
+    assert not torch.equal(text_only, tensors[f"fixed.p{TEXT_ONLY_PROMPT}.tokens"]), "images changed nothing"
+    for key, t in again.items():
+        assert torch.equal(t, tensors[f"fixed.p{TEXT_ONLY_PROMPT}.{key}"]), f"rerun differs: {key}"
+
+    golden = {
+        "config": name,
+        "seed": seed,
+        "prompt_seed": 1000 + seed,
+        "image_seed": 2000 + seed,
+        "schedule": (
+            "prefill model(input_ids[None], 0, images=[[ImageInput(start, patches, n_vit_h, n_vit_w, types), ...]], "
+            "token_types=token_types[None]), then model(tok[None, None], pos) one token per step (text: no images, "
+            f"no token types); greedy (temperature 0), {N_GENERATED} generated tokens (1 prefill + "
+            f"{N_GENERATED - 1} decode steps), EOS ignored. No DSpark in this config."
+        ),
+        "image_token_id": args.image_token_id,
+        "token_types": {"text": ip.TEXT, "image_start": ip.IMAGE_START, "image": ip.IMAGE,
+                        "image_newline": ip.IMAGE_NEW_LINE, "image_end": ip.IMAGE_END},
+        "images": images,
+        "prompts": golden_prompts,
+        "tracks": {"fixed": info},
+        "text_only": {
+            "prompt": TEXT_ONLY_PROMPT,
+            "what": "the same input_ids with images None and token_types None: the image spans are plain "
+            "image_token_id tokens (embedding rows, Engram hashes, text routing bias)",
+            "tokens": text_only.tolist(),
+        },
+        "patches": {k: PATCHES[k] for k in TRACK_PATCHES["fixed"]},
+    }
+    return tensors, golden
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -564,57 +875,42 @@ def run_one(ref_dir: Path, name: str, out_dir: Path, command: list[str]) -> None
     n_params = assert_same_params(source, model)
     del source
 
-    gen = torch.Generator().manual_seed(1000 + seed)
-    # ids 0..2 are special; the top two ids (image token, DSpark noise token) are left out too
-    prompts = [torch.randint(3, args.vocab_size - 2, (n,), generator=gen) for n in PROMPT_LENS]
-    needed = args.candidate_topk_blocks * args.candidate_block_size * args.compress_ratios[args.candidate_source_layer]
-    assert max(PROMPT_LENS) > needed
+    if args.vision_enabled:
+        tensors, golden = vision_goldens(v41, model, args, name, seed, out_dir)
+    else:
+        tensors, golden = text_goldens(v41, model, args, name, seed)
+    kind = _cpu_kind()
+    golden_dir = out_dir / "cpu" / kind  # the goldens hold for this CPU kind's kernels (tests/v41_golden.py)
+    golden_dir.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(golden_dir / "golden.safetensors"), metadata={"format": "pt"})
 
-    tensors: dict[str, torch.Tensor] = {}
-    tracks: dict = {}
-    for track in ("fixed", "upstream"):
-        with Patched(v41, track):
-            info = {"patches": TRACK_PATCHES[track], "tokens": [], "prefill_vs_decode_max_abs": []}
-            for i, prompt in enumerate(prompts):
-                res = greedy(model, prompt, with_dspark=track == "fixed")
-                for key, t in res.items():
-                    tensors[f"{track}.p{i}.{key}"] = t.contiguous()
-                info["tokens"].append(res["tokens"].tolist())
-                info["prefill_vs_decode_max_abs"].append(prefill_vs_decode(model, prompt))
-        tracks[track] = info
-        print(f"[{name}] {track}: prefill-vs-decode {info['prefill_vs_decode_max_abs']}", flush=True)
-        for toks in info["tokens"]:
-            print(f"[{name}] {track} tokens {toks}", flush=True)
-            assert len(set(toks)) > 1, "degenerate greedy output"
-    for i, prompt in enumerate(prompts):
-        tensors[f"prompt.p{i}"] = prompt.to(torch.int64)
-    save_file(tensors, str(out_dir / "golden.safetensors"), metadata={"format": "pt"})
-
-    golden = {
-        "config": name,
-        "seed": seed,
-        "prompt_seed": 1000 + seed,
-        "schedule": (
-            "prefill model(ids[None], 0), then model(tok[None, None], pos) one token per step; greedy "
-            f"(temperature 0), {N_GENERATED} generated tokens (1 prefill + {N_GENERATED - 1} decode steps), EOS "
-            "ignored. DSpark (fixed track only): forward_spec(output_ids, main_hidden, pos) after every "
-            "backbone step; the prefill call seeds caches and returns None, each decode call returns "
-            "(output_ids [1, block+1], logits [1, block, vocab], confidence [1, block])."
-        ),
-        "prefill_vs_decode": (
-            "max |logits| difference between prefill(n) and prefill(n-1) followed by one decode step of token n-1"
-        ),
-        "prompts": [p.tolist() for p in prompts],
-        "tracks": tracks,
-        "patches": {k: PATCHES[k] for k in PATCHES},
+    golden.update({
+        "cpu_kind": kind,
+        "machine": f"{_cpu_model()}, torch {torch.__version__}, {torch.get_num_threads()} threads",
         "reference": "DeepSeek-V4.1-Flash inference/ at revision dba1be0a40aa45a94ad051997016db3960a90277 "
         "(CPU copy from tenstorrent/tt-metal models/demos/deepseek_v3_d_p/reference/deepseek_v41/)",
         "model_safetensors": {"tensors": len(load_file(str(out_dir / "model.safetensors"))), "parameters": n_params},
         "tensors": {k: {"dtype": str(t.dtype)[6:], "shape": list(t.shape)} for k, t in tensors.items()},
         "command": command,
-    }
-    (out_dir / "golden.json").write_text(json.dumps(golden, indent=1, ensure_ascii=False) + "\n")
-    print(f"[{name}] wrote {out_dir} ({n_params} parameters, round trip bit-identical)", flush=True)
+    })
+    (golden_dir / "golden.json").write_text(json.dumps(golden, indent=1, ensure_ascii=False) + "\n")
+    print(f"[{name}] wrote {out_dir}, goldens in {golden_dir.relative_to(out_dir)} ({n_params} parameters, round "
+          "trip bit-identical)", flush=True)
+
+
+def _cpu_kind() -> str:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for v41_golden
+    from v41_golden import cpu_kind
+
+    return cpu_kind()
+
+
+def _cpu_model() -> str:
+    try:
+        return next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                    if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.processor() or "unknown CPU"
 
 
 def main() -> None:
