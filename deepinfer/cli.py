@@ -338,8 +338,24 @@ def _add_serve_parser(commands) -> None:
                      help="the tool-call format the model speaks: auto (from the checkpoint's chat template, else "
                           "its model_type), deepseek_v3, deepseek_v31, deepseek_v32, deepseek_v4 or deepseek_v41 "
                           "(default: %(default)s)")
+    _add_media_args(sub)
     add_engine_args(sub)
     sub.set_defaults(handler=run_serve)
+
+
+def _add_media_args(sub: argparse.ArgumentParser) -> None:
+    """Image inputs of vision models (docs/images.md), named as vLLM names them."""
+    sub.add_argument("--allowed-local-media-path", metavar="DIR",
+                     help="allow file:// image URLs of files inside DIR (default: file:// URLs are refused)")
+    sub.add_argument("--allowed-media-domains", nargs="+", metavar="HOST",
+                     help="fetch http(s) image URLs only from these hosts (default: any host)")
+    sub.add_argument("--disable-remote-media", action="store_true", help="refuse http(s) image URLs")
+    sub.add_argument("--limit-mm-per-prompt", default='{"image": 8}', metavar="JSON",
+                     help="most images per request, as JSON (default: %(default)s)")
+    sub.add_argument("--media-fetch-timeout", type=float, default=10.0, metavar="S",
+                     help="seconds an http(s) image may take to download (default: %(default)s)")
+    sub.add_argument("--max-image-bytes", type=int, default=20 * 2**20, metavar="N",
+                     help="largest encoded image, in bytes (default: %(default)s)")
 
 
 def _add_http_args(sub: argparse.ArgumentParser) -> None:

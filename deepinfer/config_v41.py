@@ -49,6 +49,31 @@ class DSparkConfig:
 
 
 @dataclass(frozen=True)
+class VisionConfig:
+    """The ViT + aligner of `vision_config` and the image processor's limits (docs/images.md)."""
+
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    intermediate_size: int
+    patch_size: int
+    rope_theta: float
+    downsample_ratio: int
+    max_image_tokens: int  # LLM tokens of one image span, delimiters included
+    min_pixels: int  # smaller images are upscaled (aspect kept) to at least this many pixels
+    max_wh_ratio: float | None  # images wider than this x their height are stretched to this aspect
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    @property
+    def cell(self) -> int:
+        """Pixels per side of one LLM image token (patch x downsample)."""
+        return self.patch_size * self.downsample_ratio
+
+
+@dataclass(frozen=True)
 class V41Config:
     """V4.1's layer roles. A ratio > 0 layer reads the compressed KV of the latest kv source at or before it,
     and the top-k of the latest index source at or before it; index sources score against the latest kv
@@ -62,8 +87,12 @@ class V41Config:
     engram: EngramConfig | None
     dspark: DSparkConfig | None
     quantized: bool  # FP8 / MXFP4 checkpoint (else plain bf16 weights)
-    has_vision: bool
+    vision: VisionConfig | None
     image_token_id: int
+
+    @property
+    def has_vision(self) -> bool:
+        return self.vision is not None
 
     def kv_source_of(self, layer: int) -> int:
         return max(s for s in self.kv_source_layers if s <= layer)
@@ -135,7 +164,7 @@ def _layout(text: dict, raw: dict, ratios: tuple[int, ...], n: int, n_mtp: int, 
         candidate_topk_blocks=int(text.get("candidate_topk_blocks", 0) or 0),
         candidate_block_size=int(text.get("candidate_block_size", 0) or 0),
         engram=_engram(text), dspark=_dspark(text, n_mtp), quantized=quantized,
-        has_vision=isinstance(raw.get("vision_config"), dict), image_token_id=int(raw.get("image_token_id", -1)))
+        vision=_vision(raw), image_token_id=int(raw.get("image_token_id", -1)))
     _validate_roles(layout, ratios, n)
     return layout
 
@@ -178,6 +207,25 @@ def _engram(text: dict) -> EngramConfig | None:
     if cfg.max_ngram_size < 2 or cfg.n_heads <= 0 or cfg.head_dim % 32 or cfg.compressed_vocab_size <= 0:
         raise ConfigError("engram needs engram_max_ngram_size >= 2, engram_n_heads > 0, engram_head_dim a multiple "
                           "of 32 and engram_compressed_vocab_size > 0")
+    return cfg
+
+
+def _vision(raw: dict) -> VisionConfig | None:
+    v = raw.get("vision_config")
+    if not isinstance(v, dict) or not int(v.get("num_hidden_layers", 0) or 0):
+        return None
+    ratio = v.get("max_wh_ratio")
+    cfg = VisionConfig(int(v["num_hidden_layers"]), int(v.get("hidden_size", 1024)),
+                       int(v.get("num_attention_heads", 16)), int(v.get("intermediate_size", 2816)),
+                       int(v.get("patch_size", 14)),
+                       float(v.get("rope_theta", 10000.0)), int(v.get("downsample_ratio", 3)),
+                       int(v.get("max_image_tokens", 1024)), int(v.get("min_pixels", 544 * 544)),
+                       None if ratio is None else float(ratio))
+    if cfg.hidden_size % cfg.num_heads or cfg.head_dim % 4 or cfg.max_image_tokens < 4 or cfg.patch_size < 1:
+        raise ConfigError("vision_config needs hidden_size divisible by num_attention_heads into a head dim that is "
+                          "a multiple of 4 (2-D rope), max_image_tokens >= 4 and patch_size >= 1")
+    if int(raw.get("image_token_id", -1)) < 0:
+        raise ConfigError("a deepseek_v41 config with a vision_config needs image_token_id")
     return cfg
 
 

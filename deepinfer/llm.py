@@ -13,6 +13,9 @@ from tqdm.auto import tqdm
 from deepinfer.config import EngineArgs
 from deepinfer.distributed.dp_engine import build_engine
 from deepinfer.engine.output_processor import OutputProcessor
+from deepinfer.multimodal.inputs import expand_placeholders
+from deepinfer.multimodal.media import MediaPolicy
+from deepinfer.multimodal.prompts import flatten_messages, process_sources, tokens_around_images
 from deepinfer.outputs import RequestOutput
 from deepinfer.sampling_params import SamplingParams
 from deepinfer.tokenizer import Tokenizer
@@ -46,8 +49,11 @@ def _salt(prompt: PromptType) -> str | None:
 
 
 class LLM:
-    def __init__(self, model: str | Path | None = None, tokenizer: str | Path | None = None, **engine_options):
+    def __init__(self, model: str | Path | None = None, tokenizer: str | Path | None = None,
+                 allowed_local_media_path: str | None = None, **engine_options):
+        """allowed_local_media_path: images may be file:// URLs of files inside this directory (vLLM's option)."""
         path, bundled = resolve_model(model)
+        self.media = MediaPolicy(allowed_local_path=allowed_local_media_path)
         if bundled:
             print(f"deepinfer: using the bundled default model ({path.name})")
         self.engine = build_engine(path, EngineArgs.from_kwargs(**engine_options))
@@ -89,25 +95,45 @@ class LLM:
         items = self._normalise_prompts(prompts)
         params = self._normalise_params(sampling_params, len(items))
         prepared = [self._prepare(i, item) for i, item in enumerate(items)]
-        for i, ((_, ids), p) in enumerate(zip(prepared, params)):
+        for i, ((_, ids, images), p) in enumerate(zip(prepared, params)):
             self.engine.validate_request(f"prompt {i}", ids, p)
-        ids = [self._add(text, toks, p, (priority or [0] * len(items))[i], _salt(items[i]))
-               for i, ((text, toks), p) in enumerate(zip(prepared, params))]
+            if images:
+                self.engine.validate_images(f"prompt {i}", ids, tuple(images), None)
+        ids = [self._add(text, toks, p, (priority or [0] * len(items))[i], _salt(items[i]), images)
+               for i, ((text, toks, images), p) in enumerate(zip(prepared, params))]
         return self._run(ids, use_tqdm)
 
     def chat(self, messages: list[dict] | Sequence[list[dict]], sampling_params=None, use_tqdm: bool = True,
              chat_template_kwargs: dict[str, Any] | None = None, add_generation_prompt: bool = True):
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         tok = self._require_tokenizer()
-        texts = [chat_text(tok, self.model_dir, c, add_generation_prompt, chat_template_kwargs or {})
-                 for c in conversations]
-        prompts = [{"prompt_token_ids": tok.encode(t, add_special_tokens=False), "prompt": t} for t in texts]
+        prompts = [self._chat_prompt(tok, c, add_generation_prompt, chat_template_kwargs or {})
+                   for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
+
+    def _chat_prompt(self, tok: Tokenizer, messages: list[dict], add_generation_prompt: bool, kwargs: dict) -> dict:
+        """A conversation as a token-id prompt; image parts (image_url, image_pil) become placeholders with the
+        images in multi_modal_data, as the server does."""
+        flat, sources = flatten_messages(messages)
+        text = chat_text(tok, self.model_dir, flat, add_generation_prompt, kwargs)
+        if not sources:
+            return {"prompt_token_ids": tok.encode(text, add_special_tokens=False), "prompt": text}
+        image_token = self._vision()[1]
+        ids = tokens_around_images(lambda piece, special: tok.encode(piece, add_special_tokens=special), text,
+                                   len(sources), image_token, False)
+        return {"prompt_token_ids": ids, "prompt": text, "multi_modal_data": {"image": sources}}
+
+    def _vision(self):
+        """(vision config, image token id); ValueError for a text-only model."""
+        v41 = self.engine.model_config.v41
+        if v41 is None or v41.vision is None:
+            raise ValueError("this model takes no image inputs (its checkpoint has no vision tower)")
+        return v41.vision, v41.image_token_id
 
     def stream(self, prompt: PromptType, params: SamplingParams | None = None) -> Iterator[str]:
         """Yield text deltas of one request as tokens come (used by `deepinfer chat`)."""
-        text, ids = self._prepare(0, prompt)
-        rid = self._add(text, ids, params or SamplingParams(), 0)
+        text, ids, images = self._prepare(0, prompt)
+        rid = self._add(text, ids, params or SamplingParams(), 0, images=images)
         group = self.processor.groups[rid]
         while True:
             self._step()
@@ -146,23 +172,35 @@ class LLM:
             raise ValueError(f"got {len(params)} sampling params for {n} prompts")
         return params
 
-    def _prepare(self, index: int, item: PromptType) -> tuple[str | None, list[int]]:
+    def _prepare(self, index: int, item: PromptType) -> tuple[str | None, list[int], list | None]:
+        """(text, token ids, image spans or None); a dict's multi_modal_data {"image": [...]} fills the image
+        placeholders of its prompt (one image token id each), in order."""
         if isinstance(item, str):
-            return item, self._require_tokenizer().encode(item)
+            return item, self._require_tokenizer().encode(item), None
         if isinstance(item, dict):
             if "prompt_token_ids" in item:
-                return item.get("prompt"), list(item["prompt_token_ids"])
-            if "prompt" in item:
-                return item["prompt"], self._require_tokenizer().encode(item["prompt"])
-            raise ValueError(f"prompt {index}: a dict prompt needs 'prompt' or 'prompt_token_ids'")
+                text, ids = item.get("prompt"), list(item["prompt_token_ids"])
+            elif "prompt" in item:
+                text, ids = item["prompt"], self._require_tokenizer().encode(item["prompt"])
+            else:
+                raise ValueError(f"prompt {index}: a dict prompt needs 'prompt' or 'prompt_token_ids'")
+            return (text, *self._with_images(ids, (item.get("multi_modal_data") or {}).get("image")))
         if isinstance(item, (list, tuple)):
-            return None, list(item)
+            return None, list(item), None
         raise ValueError(f"prompt {index}: expected str, token id list or dict, got {type(item).__name__}")
 
+    def _with_images(self, ids: list[int], images) -> tuple[list[int], list | None]:
+        if not images:
+            return ids, None
+        cfg, image_token = self._vision()
+        images = images if isinstance(images, (list, tuple)) else [images]
+        return expand_placeholders(ids, process_sources(list(images), self.media, cfg), image_token)
+
     def _add(self, text: str | None, ids: list[int], params: SamplingParams, priority: int,
-             cache_salt: str | None = None) -> str:
+             cache_salt: str | None = None, images: list | None = None) -> str:
         rid = str(next(self._ids))
-        requests = self.engine.add_request(rid, ids, params, priority, cache_salt=cache_salt)
+        requests = self.engine.add_request(rid, ids, params, priority, cache_salt=cache_salt,
+                                           **({"images": images} if images else {}))
         self.processor.add(rid, text, ids, requests)
         return rid
 

@@ -54,6 +54,9 @@ class Request:
     # (remote_bootstrap, transfer_id) on a decode engine. None: colocated.
     kv_transfer: dict | None = None
     kv_transfer_params: dict | None = None  # prefill engine: what the decode engine is given, once held
+    # Image inputs (multimodal.inputs.ImageSpan): spans of the prompt filled by the vision encoder. A prefill chunk
+    # never ends inside one; the prefix cache keys a block by the images it overlaps.
+    images: tuple = ()
 
     @property
     def sends_cache(self) -> bool:
@@ -81,6 +84,11 @@ class Request:
         if stop <= p:
             return self.prompt_token_ids[start:stop]
         return (self.prompt_token_ids[start:] if start < p else []) + self.output_token_ids[max(start - p, 0):stop - p]
+
+    @property
+    def image_keys(self) -> tuple[tuple[int, int, str], ...]:
+        """(offset, end, digest) per image span."""
+        return tuple((s.offset, s.end, s.digest) for s in self.images)
 
     @property
     def is_finished(self) -> bool:

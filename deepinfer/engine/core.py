@@ -214,11 +214,15 @@ class EngineCore:
 
     # --- requests ------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    priority: int = 0, cache_salt: str | None = None, kv_transfer: dict | None = None) -> list[Request]:
-        """Validate and queue; returns the n sample requests. Raises ValueError and queues nothing."""
+                    priority: int = 0, cache_salt: str | None = None, kv_transfer: dict | None = None,
+                    images: list | None = None) -> list[Request]:
+        """Validate and queue; returns the n sample requests. Raises ValueError and queues nothing.
+        images: multimodal.inputs.ImageSpan per image span of the prompt (placeholders already expanded)."""
         if not isinstance(params, SamplingParams):
             raise ValueError(f"request {request_id}: sampling params must be SamplingParams, got {type(params)}")
         max_out = self.validate_request(request_id, prompt_token_ids, params)
+        images = tuple(images or ())
+        self.validate_images(request_id, prompt_token_ids, images, kv_transfer)
         if kv_transfer and not (kv_transfer.get("do_remote_decode") or kv_transfer.get("remote_bootstrap")):
             kv_transfer = None  # e.g. vLLM's {"do_remote_decode": false}: a colocated request
         if kv_transfer:
@@ -230,7 +234,8 @@ class EngineCore:
         for i, rid in enumerate(ids):
             req = Request(rid, list(prompt_token_ids), params, max_out, priority=priority,
                           eos_token_ids=self.model_config.eos_token_ids, sample_index=i,
-                          fork_of=requests[0] if i else None, cache_salt=cache_salt, kv_transfer=kv_transfer)
+                          fork_of=requests[0] if i else None, cache_salt=cache_salt, kv_transfer=kv_transfer,
+                          images=images)
             if params.structured_outputs is not None:  # each sample advances its own matcher
                 req.grammar = self.structured.request_state(params.structured_outputs)
             requests.append(req)
@@ -260,6 +265,30 @@ class EngineCore:
                              "(the truncated layers skip most prompt positions)")
         room = capacity - n  # a request alone always fits, so preemption always makes progress
         return room if params.max_tokens is None else min(params.max_tokens, room)
+
+    def validate_images(self, request_id: str, prompt: list[int], images: tuple, kv_transfer: dict | None) -> None:
+        """Image spans need a vision checkpoint, must match the prompt's image tokens, and each must fit one step
+        (a chunk never splits a span)."""
+        v41 = self.model_config.v41
+        vision = v41.vision if v41 is not None else None
+        if not images:
+            if vision is not None and v41.image_token_id in prompt:
+                raise ValueError(f"request {request_id}: the prompt holds image tokens ({v41.image_token_id}) "
+                                 "but no images were given")
+            return
+        if vision is None:
+            raise ValueError(f"request {request_id}: this model takes no image inputs (its checkpoint has no vision "
+                             "tower)")
+        if kv_transfer:
+            raise ValueError(f"request {request_id}: image inputs cannot be combined with disaggregated prefill")
+        from deepinfer.multimodal.inputs import check_spans
+
+        check_spans(prompt, list(images), v41.image_token_id, vision)
+        longest = max(s.length for s in images)
+        if self.args.enable_chunked_prefill and longest > self.args.max_num_batched_tokens:
+            raise ValueError(f"request {request_id}: an image of {longest} tokens does not fit one step "
+                             f"(max_num_batched_tokens {self.args.max_num_batched_tokens}); image spans are "
+                             "prefilled whole")
 
     def _validate_transfer(self, request_id: str, kv_transfer: dict, params: SamplingParams, max_out: int) -> int:
         """The output cap of a disaggregated request (a prefill engine samples only the first token), or

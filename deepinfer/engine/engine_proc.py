@@ -97,8 +97,10 @@ class EngineLoop:
             if msg.request_id in self.groups:
                 raise ValueError(f"request id {msg.request_id!r} is already in use")
             params = SamplingParams(**msg.params)
+            images = _images(msg.images)
             requests = self.core.add_request(msg.request_id, list(msg.prompt_token_ids), params, msg.priority,
-                                             cache_salt=msg.cache_salt, kv_transfer=msg.kv_transfer)
+                                             cache_salt=msg.cache_salt, kv_transfer=msg.kv_transfer,
+                                             **({"images": images} if images else {}))
         except ValueError as e:
             return RequestError(msg.request_id, str(e), 400)
         except Exception as e:  # a bug, not bad input: report it and keep serving
@@ -224,7 +226,16 @@ class EngineLoop:
                            [_replica_metrics(d, c) for d, c in enumerate(cores)] if len(cores) > 1 else [],
                            *_rank_metrics(self.core))
         _add_transfer_stats(stats, [c.connector for c in cores if getattr(c, "connector", None) is not None])
+        _add_image_stats(stats, [c.runner.encoder for c in cores if getattr(getattr(c, "runner", None), "encoder",
+                                                                               None) is not None])
         return stats
+
+
+def _add_image_stats(stats: EngineStats, encoders) -> None:
+    for e in encoders:
+        stats.images_encoded += e.images_encoded
+        stats.image_encoder_seconds += e.encoder_seconds
+        stats.image_cache_hits += e.cache_hits
 
 
 def _add_transfer_stats(stats: EngineStats, connectors) -> None:
@@ -403,3 +414,12 @@ def _setup_logging(level: int | None) -> None:
     if level is None:
         return
     setup_logging(level, "deepinfer[engine]: %(message)s")
+
+
+def _images(wire: list[dict] | None) -> list | None:
+    """ImageSpans from their wire form (ImageError, a ValueError, for a malformed one)."""
+    if not wire:
+        return None
+    from deepinfer.multimodal.inputs import ImageSpan
+
+    return [ImageSpan.from_wire(d) for d in wire]

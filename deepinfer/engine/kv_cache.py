@@ -110,14 +110,19 @@ class BlockPool:
         return len(self._hash_of)
 
 
-def chain_hashes(tokens: list[int], block_size: int, salt: str | None, previous: list[bytes]) -> list[bytes]:
+def chain_hashes(tokens: list[int], block_size: int, salt: str | None, previous: list[bytes],
+                 images: tuple[tuple[int, int, str], ...] = ()) -> list[bytes]:
     """Hashes of every full block of `tokens`; block i's hash covers blocks 0..i and the salt, so a hit
-    is always a whole-block prefix. `previous` (hashes already known) is extended, not recomputed."""
+    is always a whole-block prefix. `previous` (hashes already known) is extended, not recomputed.
+    images: (offset, end, digest) of image spans; a block overlapping one also hashes its digest and offset
+    (an image span's tokens are all the same id, so the content must come from the image)."""
     hashes = list(previous)
     seed = hashlib.blake2b((salt or "").encode(), digest_size=16).digest()
     for i in range(len(hashes), len(tokens) // block_size):
-        chunk = np.asarray(tokens[i * block_size:(i + 1) * block_size], dtype=np.int64).tobytes()
-        hashes.append(hashlib.blake2b((hashes[-1] if hashes else seed) + chunk, digest_size=16).digest())
+        lo, hi = i * block_size, (i + 1) * block_size
+        extra = "".join(f"|{a}:{d}" for a, b, d in images if a < hi and b > lo).encode()
+        chunk = np.asarray(tokens[lo:hi], dtype=np.int64).tobytes()
+        hashes.append(hashlib.blake2b((hashes[-1] if hashes else seed) + chunk + extra, digest_size=16).digest())
     return hashes
 
 

@@ -36,6 +36,7 @@ class AddRequest(_Msg):
     arrival_time: float = 0.0  # the client's time.time(); informational, scheduling uses engine arrival
     cache_salt: str | None = None  # requests with different salts never share cached prefix blocks
     kv_transfer: dict | None = None  # disaggregation: the request's kv_transfer_params (docs/disaggregation.md)
+    images: list[dict] | None = None  # image spans (multimodal.inputs.ImageSpan.to_wire), placeholders expanded
 
 
 class AbortRequest(_Msg):
@@ -155,6 +156,10 @@ class EngineStats(_Msg):
     kv_transfers_failed: int = 0
     kv_transfer_bytes: int = 0
     kv_transfer_seconds: float = 0.0
+    # image inputs (worker/encoder_cache.py): encoder runs, its seconds, images served from the encoder cache
+    images_encoded: int = 0
+    image_encoder_seconds: float = 0.0
+    image_cache_hits: int = 0
 
 
 class EngineOutputs(_Msg):

@@ -116,7 +116,12 @@ class Scheduler:
             if self._awaits_last_token(req):
                 i += 1
                 continue
-            n = self._align(req.num_computed_tokens, min(_scheduled_len(req) - req.num_computed_tokens, budget))
+            start = req.num_computed_tokens
+            n = whole_images(req.image_keys, start, self._align(start, min(_scheduled_len(req) - start, budget)),
+                             budget)
+            if n == 0:  # an image span that does not fit this step's budget: a later step
+                i += 1
+                continue
             drafts = self._drafts(req, n, budget)
             if not self._allocate_or_preempt(req, n + len(drafts), out):
                 continue  # req itself was preempted; self.running shrank
@@ -241,7 +246,9 @@ class Scheduler:
                     return
                 continue
             prefix, start, restore = self._cached_prefix(req)
-            n = self._align(start, min(req.num_tokens - start, budget))
+            n = whole_images(req.image_keys, start, self._align(start, min(req.num_tokens - start, budget)), budget)
+            if n == 0:
+                return  # its next image span needs more budget than this step has left
             # Without chunked prefill a prompt waits for a budget it fits in; one larger than any budget is chunked.
             fits_some_step = req.num_tokens - start <= self.config.max_num_batched_tokens
             if n < req.num_tokens - start and not self.config.enable_chunked_prefill and fits_some_step:
@@ -312,7 +319,7 @@ class Scheduler:
         if not self._caches(req):
             return [], 0, None
         req.block_hashes = chain_hashes(req.token_ids(0, req.num_tokens), self.kv.block_size, req.cache_salt,
-                                        req.block_hashes)
+                                        req.block_hashes, req.image_keys)
         prefix = self.kv.cached_prefix(req.block_hashes, req.num_tokens - 1)
         hit = len(prefix) * self.kv.block_size
         if not hit:
@@ -352,7 +359,8 @@ class Scheduler:
             if s.num_drafts or end % bs or end < req.resume_point or not self._caches(req) or s.placeholder:
                 continue  # not on a boundary, still replaying (state inexact until the hit point), drafts not
                 # verified yet, or async with the block's last token not known yet (its hash cannot be formed)
-            req.block_hashes = chain_hashes(req.token_ids(0, end), bs, req.cache_salt, req.block_hashes)
+            req.block_hashes = chain_hashes(req.token_ids(0, end), bs, req.cache_salt, req.block_hashes,
+                                            req.image_keys)
             row = self.kv.claim_snapshot(req.block_hashes[end // bs - 1])
             if row is not None:
                 out.snapshots.append((s.state_slot, row))
@@ -432,7 +440,7 @@ class Scheduler:
             return
         if len(req.block_hashes) < full:
             req.block_hashes = chain_hashes(req.token_ids(0, full * self.kv.block_size), self.kv.block_size,
-                                            req.cache_salt, req.block_hashes)
+                                            req.cache_salt, req.block_hashes, req.image_keys)
         self.kv.cache_full_blocks(req.request_id, req.block_hashes, full * self.kv.block_size)
 
     def _append(self, req: Request, tokens: list[int], known_before: int) -> None:
@@ -493,6 +501,19 @@ def grammar_status(req: Request, token: int, status: RequestStatus | None) -> Re
         req.stop_reason = None
         return RequestStatus.FINISHED_STOPPED
     return status
+
+
+def whole_images(spans: tuple[tuple[int, int, str], ...], start: int, n: int, limit: int) -> int:
+    """The chunk [start, start + n) adjusted so it never ends inside an image span (the span's embeddings go in
+    whole): an end inside a span moves back to the span's start, or -- when the chunk starts inside or at that
+    span -- forward to its end if that stays within `limit` tokens, else 0 (wait for a larger budget)."""
+    end = start + n
+    for a, b, _ in spans:
+        if a < end < b:
+            if a > start:
+                return a - start
+            return b - start if b - start <= limit else 0
+    return n
 
 
 def _known_computed(req: Request) -> int:

@@ -35,6 +35,33 @@ class CacheTensorSpec:
         return n * torch.empty((), dtype=self.dtype).element_size()
 
 
+IMAGE_TYPE = 1  # the span token type that takes an encoder row (multimodal.image_processor.IMAGE)
+
+
+@dataclass(frozen=True)
+class ImageRows:
+    """The step's tokens inside image spans: their rows, their span token types (image_processor: START, IMAGE,
+    NEWLINE, END) and, for the IMAGE ones in row order, the encoder's features."""
+
+    rows: torch.Tensor  # [M] int64 step rows, ascending
+    types: torch.Tensor  # [M] int64
+    features: torch.Tensor  # [count of IMAGE types, hidden]
+
+    def mask(self, num_tokens: int) -> torch.Tensor:
+        """bool [num_tokens], True at image-span rows."""
+        out = torch.zeros(num_tokens, dtype=torch.bool, device=self.rows.device)
+        return out.index_fill_(0, self.rows, True)
+
+    def shifted(self, lo: int, hi: int) -> ImageRows | None:
+        """The part inside rows [lo, hi), rebased to start at 0 (None if empty)."""
+        inside = (self.rows >= lo) & (self.rows < hi)
+        if not bool(inside.any()):
+            return None
+        is_image = self.types == IMAGE_TYPE
+        feature_rows = torch.cumsum(is_image.long(), 0) - 1
+        return ImageRows(self.rows[inside] - lo, self.types[inside], self.features[feature_rows[inside & is_image]])
+
+
 @dataclass
 class ForwardMeta:
     input_ids: torch.Tensor  # [T] int64
@@ -52,6 +79,7 @@ class ForwardMeta:
     paged_write_from: list[int] | None = None
     # Per request: prompt tokens (positions at or past it are generated ones). None: unknown (draft steps).
     prompt_lens: list[int] | None = None
+    images: ImageRows | None = None  # image-span tokens of this step (a vision model's prompts); None: text only
     # Per-step derived tensors, computed once by the model and shared by its layers.
     scratch: dict = field(default_factory=dict)
 
@@ -105,4 +133,5 @@ def sub_meta(meta: ForwardMeta, lo: int, hi: int) -> ForwardMeta:
         block_table=meta.block_table[lo:hi], state_slots=meta.state_slots[lo:hi],
         logits_indices=meta.logits_indices[:0], query_start=[q - a for q in meta.query_start[lo:hi + 1]],
         seq_starts=meta.seq_starts[lo:hi], seq_lens=meta.seq_lens[lo:hi], block_size=meta.block_size,
-        paged_write_from=write_from, prompt_lens=prompt_lens)
+        paged_write_from=write_from, prompt_lens=prompt_lens,
+        images=None if meta.images is None else meta.images.shifted(a, b))

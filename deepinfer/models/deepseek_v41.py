@@ -17,7 +17,6 @@ a float32 ring of [wkv | wgate] projections; the model an int64 ring of compress
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -30,7 +29,7 @@ from deepinfer.distributed.model_parallel import ModelParallel
 from deepinfer.kernels import triton_enabled
 from deepinfer.layers.attention import blocked_sink_attention
 from deepinfer.layers.batch_invariant import batch_invariant_enabled
-from deepinfer.layers.metadata import CacheTensorSpec, ForwardMeta
+from deepinfer.layers.metadata import IMAGE_TYPE, CacheTensorSpec, ForwardMeta
 from deepinfer.layers.mx_quant import MXStore, block_scaled_linear, packed_shapes, qdq
 from deepinfer.layers.norm import RMSNorm
 from deepinfer.layers.rotary import complex_rotations, rotate_tail_complex
@@ -46,7 +45,10 @@ from deepinfer.models.v41_plan import (
     truncation_floor,
     window_columns,
 )
+from deepinfer.models.vision_v41 import Aligner, VisionTower
 from deepinfer.models.weights import assign_weights
+
+START, NEWLINE, END = 0, 2, 3  # image span token types besides IMAGE (multimodal.image_processor)
 
 
 class QLinear(nn.Module):
@@ -122,9 +124,11 @@ class Step:
     index picks / candidate masks the source layers publish for the later ones (keyed by source layer)."""
 
     def __init__(self, model: DeepseekV41ForCausalLM, meta: ForwardMeta, floor: torch.Tensor | None = None,
-                 engram_rows: dict | None = None):
-        """floor [R]: positions below it were not computed at the layers this step serves (prefill truncation)."""
+                 engram_rows: dict | None = None, vl: torch.Tensor | None = None):
+        """floor [R]: positions below it were not computed at the layers this step serves (prefill truncation).
+        vl: bool [T] image-span tokens (default: from meta.images; None when the step has none)."""
         self.meta, self.model = meta, model
+        self.vl = vl if vl is not None else meta.images.mask(meta.num_tokens) if meta.images is not None else None
         self.rot = {kind: model.rotations(kind, meta.positions) for kind in ("main", "compress")}
         self.window: WindowColumns = window_columns(meta, model.config.sliding_window, model.num_lookahead_tokens,
                                                     floor)
@@ -386,10 +390,15 @@ class Gate(nn.Module):
         self.topk, self.scale, self.normalize = topk, cfg.routed_scaling_factor, cfg.norm_topk_prob
         self.weight = nn.Parameter(torch.zeros(n_experts, cfg.hidden_size, dtype=torch.float32))
         self.bias = nn.Parameter(torch.zeros(n_experts, dtype=torch.float32))
+        # image-span tokens select with their own bias (a vision checkpoint's `bias_vl`)
+        self.bias_vl = nn.Parameter(torch.zeros(n_experts, dtype=torch.float32)) if cfg.v41.has_vision else None
 
-    def forward(self, x: torch.Tensor, starts: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, x: torch.Tensor, starts: list[int], vl: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """vl: bool [T], True for tokens inside an image span (None: a text-only step)."""
         scores = F.softplus(per_request_linear(x.float(), self.weight, starts)).sqrt()
-        ids = stable_topk(scores + self.bias, self.topk)[1]
+        bias = self.bias if vl is None or self.bias_vl is None else torch.where(vl[:, None], self.bias_vl, self.bias)
+        ids = stable_topk(scores + bias, self.topk)[1]
         weights = scores.gather(1, ids)
         if self.normalize and self.topk > 1:
             weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
@@ -425,8 +434,8 @@ class MoE(nn.Module):
         self.experts = nn.ModuleList(_expert(d, inter, cfg.swiglu_limit, q) for _ in range(n_experts))
         self.shared_experts = _expert(d, inter, cfg.swiglu_limit, q)
 
-    def forward(self, x: torch.Tensor, starts: list[int]) -> torch.Tensor:
-        weights, ids = self.gate(x, starts)
+    def forward(self, x: torch.Tensor, starts: list[int], vl: torch.Tensor | None = None) -> torch.Tensor:
+        weights, ids = self.gate(x, starts, vl)
         out = torch.zeros_like(x, dtype=torch.float32)
         counts = torch.bincount(ids.flatten(), minlength=self.n_experts).tolist()
         for e, count in enumerate(counts):
@@ -449,13 +458,16 @@ class Engram(nn.Module):
         self.q_weight = nn.Parameter(torch.ones(self.hc, self.dim, dtype=torch.float32))
         self.k_weight = nn.Parameter(torch.ones(self.hc, self.dim, dtype=torch.float32))
 
-    def forward(self, streams: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    def forward(self, streams: torch.Tensor, rows: torch.Tensor, vl: torch.Tensor | None = None) -> torch.Tensor:
+        """vl: bool [T], True inside image spans: those tokens take no Engram write (their gate is shut)."""
         key, value = self.wkv(rows.flatten(-2)).split([self.hc * self.dim, self.dim], dim=-1)
         key = key.float().unflatten(-1, (self.hc, self.dim))
         h = streams.float()
         rstd = torch.rsqrt(h.square().mean(-1) + self.eps) * torch.rsqrt(key.square().mean(-1) + self.eps)
         dot = (h * (self.q_weight * self.k_weight) * key).sum(-1) * rstd * self.dim**-0.5
         gate = torch.sigmoid(torch.copysign(dot.abs().clamp_min(1e-6).sqrt(), dot))
+        if vl is not None:
+            gate = gate.masked_fill(vl[:, None], 0)
         return (h + gate.unsqueeze(-1) * value.float().unsqueeze(-2)).to(streams.dtype)
 
 
@@ -513,18 +525,18 @@ class Block(nn.Module):
         attn_pre, post, comb = self.mixes(streams, "attn", starts)
         out = self.attn(self.attn_norm(hc_collapse(streams, pre)), ctx)
         streams = hc_expand(out, streams, post, comb)
-        return self._ffn(streams, attn_pre, starts)
+        return self._ffn(streams, attn_pre, starts, ctx.vl)
 
     def forward_truncated(self, streams: torch.Tensor, pre: torch.Tensor, ctx: Step, late: Step,
                           keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The first truncated layer: every row feeds the KV this layer publishes; only the kept rows go on."""
         attn_pre, post, comb = self.mixes(streams[keep], "attn", late.segments)
         out = self.attn.forward_truncated(self.attn_norm(hc_collapse(streams, pre)), ctx, late, keep)
-        return self._ffn(hc_expand(out, streams[keep], post, comb), attn_pre, late.segments)
+        return self._ffn(hc_expand(out, streams[keep], post, comb), attn_pre, late.segments, late.vl)
 
-    def _ffn(self, streams: torch.Tensor, attn_pre: torch.Tensor, starts: list[int]):
+    def _ffn(self, streams: torch.Tensor, attn_pre: torch.Tensor, starts: list[int], vl: torch.Tensor | None = None):
         ffn_pre, post, comb = self.mixes(streams, "ffn", starts)
-        out = self.ffn(self.ffn_norm(hc_collapse(streams, attn_pre)), starts)
+        out = self.ffn(self.ffn_norm(hc_collapse(streams, attn_pre)), starts, vl)
         return hc_expand(out, streams, post, comb), ffn_pre
 
 
@@ -564,6 +576,11 @@ class DeepseekV41ForCausalLM(nn.Module):
 
         self.mtp = build_stages(config)  # the DSpark stages mtp.{K}.* (empty without config.v41.dspark)
         self.mtp_loaded = False
+        if v41.vision is not None:  # the ViT, its aligner and the span delimiters' learned embeddings
+            self.vision = VisionTower(v41.vision)
+            self.aligner = Aligner(v41.vision, d)
+            for name in ("image_start", "image_end", "image_newline"):
+                setattr(self, name, nn.Parameter(torch.zeros(d, dtype=torch.bfloat16)))
         self.hasher: NgramHasher | None = None
         self.engram_tables: dict[int, EngramTable] = {}
         self._rot: dict[str, torch.Tensor] = {}
@@ -578,12 +595,33 @@ class DeepseekV41ForCausalLM(nn.Module):
             self._rot[kind] = complex_rotations(rope, max(_ROTATION_ROWS, 2 * need)).to(positions.device)
         return self._rot[kind][positions]
 
+    # --- images --------------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def encode_image(self, patches: torch.Tensor, n_vit_h: int, n_vit_w: int) -> torch.Tensor:
+        """One image's LLM features [n_llm_h * n_llm_w, hidden] (bf16), cells in reading order."""
+        if self.config.v41.vision is None:
+            raise ValueError("this DeepSeek-V4.1 checkpoint has no vision tower (vision_config)")
+        patches = patches.to(self.image_start.device, torch.bfloat16)
+        return self.aligner(self.vision(patches, n_vit_h, n_vit_w), n_vit_h, n_vit_w)
+
+    def embed_tokens(self, meta: ForwardMeta) -> torch.Tensor:
+        """Token embeddings, with image spans overwritten: delimiters by their learned embeddings, IMAGE slots by
+        the encoder's rows."""
+        h = self.embed(meta.input_ids)
+        img = meta.images
+        if img is None:
+            return h
+        if self.config.v41.vision is None:
+            raise ValueError("image inputs need a checkpoint with a vision tower")
+        h = h.clone()
+        for kind, value in ((START, self.image_start), (END, self.image_end), (NEWLINE, self.image_newline)):
+            h[img.rows[img.types == kind]] = value.to(h.dtype)
+        h[img.rows[img.types == IMAGE_TYPE]] = img.features.to(h.dtype)
+        return h
+
     # --- Engram ----------------------------------------------------------------------------------------
     def attach_checkpoint(self, path: str | Path) -> None:
         """Engram's token map (from the checkpoint's tokenizer.json) and its tables (memory-mapped)."""
-        if self.config.v41.has_vision:
-            logging.getLogger("deepinfer").info("DeepSeek-V4.1 vision tower (vision.*, aligner.*) not loaded: this "
-                                                "engine serves V4.1 text only for now (image inputs are refused)")
         if self.config.v41.engram is not None:
             self.hasher = NgramHasher(self.config.v41.engram, self._token_map(Path(path)))
             self.engram_tables = self._open_tables(Path(path))
@@ -624,6 +662,8 @@ class DeepseekV41ForCausalLM(nn.Module):
         src = ring_source(meta, n + self.num_lookahead_tokens)
         ring = self.cache["engram.tokens"].view(-1)
         new = self.hasher.token_map[meta.input_ids.cpu()].to(meta.device)
+        if meta.images is not None:  # an n-gram never reaches into an image span (-1 stops the look-back)
+            new = new.masked_fill(meta.images.mask(meta.num_tokens), -1)
         pos = meta.positions[:, None] - torch.arange(n, device=meta.device)[None, :]
         req = meta.token_req[:, None].expand_as(pos)
         history = torch.cat([ring[src.ring_rows], new])[src.index(req, pos.clamp(min=0))]
@@ -669,19 +709,19 @@ class DeepseekV41ForCausalLM(nn.Module):
         if self.has_engram and self.hasher is None:
             raise RuntimeError("Engram is configured but its tables are not attached (attach_checkpoint)")
         ctx = Step(self, meta)
-        streams = self.embed(meta.input_ids).unsqueeze(1).repeat(1, self.config.hc_mult, 1)
+        streams = self.embed_tokens(meta).unsqueeze(1).repeat(1, self.config.hc_mult, 1)
         pre = torch.zeros(streams.shape[0], self.config.hc_mult, dtype=torch.float32, device=streams.device)
         pre[:, 0] = 1.0
         floor, keep = truncation_floor(meta, self.prefill_truncation_tokens), None
         for i, layer in enumerate(self.layers):
             if layer.engram is not None:
-                streams = layer.engram(streams, ctx.engram_rows[i])
+                streams = layer.engram(streams, ctx.engram_rows[i], ctx.vl)
             if taps is not None and i in self.config.v41.dspark.target_layer_ids:
                 taps.append(_scatter(streams.mean(dim=1), keep, meta.num_tokens))
             if floor is not None and i == self.truncate_from:
                 sub, keep = keep_rows(meta, floor)
                 rows = None if ctx.engram_rows is None else {k: v[keep] for k, v in ctx.engram_rows.items()}
-                late = Step(self, sub, floor, rows)
+                late = Step(self, sub, floor, rows, None if ctx.vl is None else ctx.vl[keep])
                 streams, pre = layer.forward_truncated(streams, pre, ctx, late, keep)
                 ctx = late
                 continue
@@ -719,7 +759,8 @@ class DeepseekV41ForCausalLM(nn.Module):
 
     def skips_tensor(self, name: str) -> bool:
         """Checkpoint tensors not read through the loader: Engram tables (memory-mapped by attach_checkpoint), the
-        mtp.* tensors of a config without the DSpark head, and the vision tower (not supported yet)."""
-        return name.endswith(("engram.embed.weight", "engram.embed.scale")) or name.startswith(
-            ("vision.", "aligner.", "image_start", "image_end", "image_newline")) or (
-            name.startswith("mtp.") and not len(self.mtp))
+        mtp.* tensors of a config without the DSpark head, and vision tensors of a config without vision_config."""
+        vision = name.startswith(("vision.", "aligner.", "image_start", "image_end", "image_newline")) or \
+            name.endswith("gate.bias_vl")
+        return name.endswith(("engram.embed.weight", "engram.embed.scale")) or (
+            vision and self.config.v41.vision is None) or (name.startswith("mtp.") and not len(self.mtp))

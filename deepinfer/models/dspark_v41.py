@@ -35,6 +35,8 @@ from deepinfer.models.deepseek_v41 import Attention, Block, QLinear, _linear, _n
 class DraftStep:
     """Per-draft values the stages share: block rotations and each block row's ring columns."""
 
+    vl = None  # drafts are text: no image-span routing bias
+
     def __init__(self, model, slots: torch.Tensor, last: torch.Tensor, block: int, ring_len: int, window: int):
         dev = slots.device
         self.block, self.ring_len = block, ring_len

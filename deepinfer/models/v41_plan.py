@@ -73,7 +73,7 @@ def keep_rows(meta: ForwardMeta, floor: torch.Tensor) -> tuple[ForwardMeta, torc
     write_from = [max(w, s) for w, s in zip(meta.paged_write_from or meta.seq_starts, starts)]
     sub = replace(meta, input_ids=meta.input_ids[keep], positions=meta.positions[keep],
                   token_req=meta.token_req[keep], logits_indices=meta.logits_indices[:0], query_start=qstart,
-                  seq_starts=starts, paged_write_from=write_from, scratch={})
+                  seq_starts=starts, paged_write_from=write_from, scratch={}, images=None)
     return sub, keep
 
 

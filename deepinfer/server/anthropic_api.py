@@ -41,7 +41,7 @@ from deepinfer.server.anthropic_protocol import (
     AnthropicToolChoiceTool,
 )
 from deepinfer.server.errors import APIError, _validation_error, bad_request
-from deepinfer.server.protocol import ChatCompletionRequest, ChatMessage, FunctionDefinition, Tool
+from deepinfer.server.protocol import ChatCompletionRequest, ChatMessage, FunctionDefinition, ImageURL, TextPart, Tool
 from deepinfer.server.serving import ChatShape, Choice, Job, Serving, sse
 from deepinfer.server.tools import loads_strict
 
@@ -117,30 +117,57 @@ def _result_text(content) -> str:
 
 def _refuse(where: str, block) -> APIError:
     if block.type in ("image", "document"):
-        return bad_request(f"{where}: {block.type} blocks are not supported (the model reads text only)",
-                           param="messages")
+        return bad_request(f"{where}: {block.type} blocks are not supported here (images: in user turns, as base64 "
+                           "or url sources, for vision models)", param="messages")
     return bad_request(f"{where}: {block.type} blocks are not allowed in a user turn", param="messages")
 
 
+def _image_part(where: str, block) -> TextPart:
+    """An image block as the chat API's image_url part (whether the model takes images is checked later)."""
+    src = block.source or {}
+    if src.get("type") == "base64" and isinstance(src.get("data"), str):
+        url = f"data:{src.get('media_type') or 'image/png'};base64,{src['data']}"
+    elif src.get("type") == "url" and isinstance(src.get("url"), str):
+        url = src["url"]
+    else:
+        raise bad_request(f"{where}: an image source must be {{type: base64, media_type, data}} or {{type: url, "
+                          "url}}", param="messages")
+    return TextPart(type="image_url", image_url=ImageURL(url=url))
+
+
+def _user_message(items: list) -> ChatMessage:
+    """Text blocks joined by blank lines; with images, as content parts in their order."""
+    if all(isinstance(x, str) for x in items):
+        return ChatMessage(role="user", content=_joined(items))
+    parts = []
+    for k, x in enumerate(items):
+        if k and isinstance(x, str) and isinstance(items[k - 1], str):
+            parts.append(TextPart(text="\n\n"))
+        parts.append(TextPart(text=x) if isinstance(x, str) else x)
+    return ChatMessage(role="user", content=parts)
+
+
 def _user_turn(i: int, message: AnthropicMessageParam) -> list[ChatMessage]:
-    """Text blocks become user messages and each tool_result a tool message, in their order."""
+    """Text and image blocks become user messages and each tool_result a tool message, in their order."""
     if isinstance(message.content, str):
         return [ChatMessage(role="user", content=message.content)]
-    out, texts = [], []
+    out, items = [], []
     for j, block in enumerate(message.content):
         where = f"messages[{i}].content[{j}]"
         if block.type == "text":
-            texts.append(block.text)
+            items.append(block.text)
+        elif block.type == "image":
+            items.append(_image_part(where, block))
         elif block.type == "tool_result":
-            if texts:
-                out.append(ChatMessage(role="user", content=_joined(texts)))
-                texts = []
+            if items:
+                out.append(_user_message(items))
+                items = []
             out.append(ChatMessage(role="tool", tool_call_id=block.tool_use_id,
                                    content=_result_text(block.content)))
         else:
             raise _refuse(where, block)
-    if texts or not out:
-        out.append(ChatMessage(role="user", content=_joined(texts)))
+    if items or not out:
+        out.append(_user_message(items))
     return out
 
 
@@ -386,7 +413,7 @@ async def create_message(serving: Serving, body: AnthropicMessagesRequest, reque
 # --- the route -----------------------------------------------------------------------------------
 _ERROR_DOCS = {
     400: "invalid_request_error: malformed JSON, a field of the wrong type, a value out of range, an unsupported "
-         "block (image, document), a prompt too long",
+         "block (document; image for a text-only model), a bad image, a prompt too long",
     401: "authentication_error: missing or wrong API key, `x-api-key` or `Authorization: Bearer` (only when the "
          "server has API keys)",
     404: "not_found_error: `model` is not the served model",

@@ -4,9 +4,9 @@ document only) the message it answers, its stream events and its error body.
 The request follows protocol.py's rules: unknown fields are ignored (`cache_control`, `metadata`, `citations`,
 ...), known fields are typed strictly (no coercion across JSON types), floats are finite, integers bounded.
 Content blocks, tools, `tool_choice` and `thinking` are unions told apart by their `type`; a block type the
-server recognises but cannot serve (`image`, `document`) parses, and server/anthropic_api.py answers it with a
-400 naming the block. Class names carry an `Anthropic` prefix so the OpenAPI components never collide with the
-OpenAI API's.
+server recognises parses even where it cannot serve it (`document`; `image` for a text-only model), and
+server/anthropic_api.py answers that with a 400 naming the block. Class names carry an `Anthropic` prefix so the
+OpenAPI components never collide with the OpenAI API's.
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ class AnthropicRedactedThinkingBlock(_Body):
 
 
 class AnthropicMediaBlock(_Body):
-    """`image` / `document`: recognised, refused with a 400 (the models read text only)."""
+    """`image` (vision models, user turns: base64 or url sources) / `document` (refused with a 400)."""
 
     type: Literal["image", "document"]
     source: dict[str, Any] | None = None

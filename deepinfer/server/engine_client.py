@@ -141,7 +141,7 @@ class AsyncEngineClient:
     # --- requests --------------------------------------------------------------------------------
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                        priority: int = 0, cache_salt: str | None = None,
-                       kv_transfer: dict | None = None) -> AsyncIterator[EngineOutput]:
+                       kv_transfer: dict | None = None, images: list | None = None) -> AsyncIterator[EngineOutput]:
         """Yield this request's EngineOutputs (all n samples, interleaved) until every sample finished.
 
         Raises ValueError if the engine rejects the request (or the id is in flight), RuntimeError if the
@@ -150,8 +150,9 @@ class AsyncEngineClient:
         Closing the generator early (aclose, cancellation, garbage collection) aborts the request.
         Request ids must be unique over the client's life: a reused id may receive late outputs of
         an aborted predecessor. Requests with different `cache_salt`s never share cached prefix blocks.
+        `images`: the prompt's image spans (multimodal.inputs.ImageSpan), placeholders already expanded.
         """
-        stream = self._open(request_id, prompt_token_ids, params, priority, cache_salt, kv_transfer)
+        stream = self._open(request_id, prompt_token_ids, params, priority, cache_salt, kv_transfer, images)
         try:
             while stream.unfinished or not stream.queue.empty():
                 item = await stream.queue.get()
@@ -162,12 +163,13 @@ class AsyncEngineClient:
             self._close_stream(stream)
 
     def _open(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-              priority: int, cache_salt: str | None = None, kv_transfer: dict | None = None) -> _Stream:
+              priority: int, cache_salt: str | None = None, kv_transfer: dict | None = None,
+              images: list | None = None) -> _Stream:
         if self.dead or self.closed:
             raise EngineDeadError(self.dead_reason or "the engine client is shut down")
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in flight")
-        data = _encode_add(request_id, prompt_token_ids, params, priority, cache_salt, kv_transfer)
+        data = _encode_add(request_id, prompt_token_ids, params, priority, cache_salt, kv_transfer, images)
         cost = request_cost(len(prompt_token_ids), params)
         stream = self._streams[request_id] = _Stream(request_id, set(range(params.n)), len(prompt_token_ids), cost)
         self.load_tokens += cost
@@ -304,7 +306,7 @@ class AsyncEngineClient:
 
 # --- helpers -------------------------------------------------------------------------------------
 def _encode_add(request_id: str, prompt_token_ids: list[int], params: SamplingParams, priority: int,
-                cache_salt: str | None = None, kv_transfer: dict | None = None) -> bytes:
+                cache_salt: str | None = None, kv_transfer: dict | None = None, images: list | None = None) -> bytes:
     """Encode an AddRequest, turning what msgpack cannot carry into the ValueError a bad request gets."""
     if not isinstance(params, SamplingParams):
         raise ValueError(f"request {request_id}: sampling params must be SamplingParams, got {type(params)}")
@@ -313,7 +315,7 @@ def _encode_add(request_id: str, prompt_token_ids: list[int], params: SamplingPa
         raise ValueError(f"request {request_id}: prompt token ids must be ints")
     try:
         return encode(AddRequest(request_id, [int(t) for t in ids], params_to_dict(params), priority, time.time(),
-                                 cache_salt, kv_transfer))
+                                 cache_salt, kv_transfer, [s.to_wire() for s in images] if images else None))
     except (TypeError, OverflowError) as e:
         raise ValueError(f"request {request_id}: {e}") from None
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import json
 import logging
 import os
 import signal
@@ -27,8 +28,9 @@ from pathlib import Path
 
 import uvicorn
 
-from deepinfer.config import EngineArgs
+from deepinfer.config import EngineArgs, ModelConfig
 from deepinfer.llm import resolve_model
+from deepinfer.multimodal.media import MediaPolicy
 from deepinfer.server.app import build_app
 from deepinfer.server.engine_client import AsyncEngineClient
 from deepinfer.server.metrics import Metrics
@@ -68,10 +70,37 @@ def settings_from(args: argparse.Namespace, path: Path, bundled: bool) -> Server
     for flag in ("max_queue", "max_n", "max_body_bytes", "max_request_seqs"):
         if getattr(args, flag, None) is not None and getattr(args, flag) < 1:
             raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
+    vision, image_token = _vision_of(path)
     return ServerSettings(model_name=name, api_keys=api_keys, max_queue=args.max_queue, max_n=args.max_n,
                           max_body_bytes=args.max_body_bytes, max_request_seqs=share,
                           grammar_timeout_s=engine_kwargs(args)["grammar_compile_timeout_s"],
-                          prefix_cache_isolation=isolation)
+                          prefix_cache_isolation=isolation, vision=vision, image_token_id=image_token,
+                          media=media_policy(args))
+
+
+def _vision_of(path: Path):
+    """(vision config, image token id) of a vision checkpoint, else (None, -1)."""
+    if not (path / "config.json").is_file():
+        return None, -1
+    cfg = ModelConfig.from_hf(path).v41
+    return (cfg.vision, cfg.image_token_id) if cfg is not None and cfg.vision is not None else (None, -1)
+
+
+def media_policy(args: argparse.Namespace) -> MediaPolicy:
+    """The image-input flags; a bad value is a ValueError naming the flag."""
+    try:
+        limits = json.loads(getattr(args, "limit_mm_per_prompt", None) or '{"image": 8}')
+        max_images = int(limits.get("image", 8))
+    except (ValueError, TypeError, AttributeError):
+        raise ValueError('--limit-mm-per-prompt must be JSON like {"image": 4}') from None
+    local = getattr(args, "allowed_local_media_path", None)
+    if local is not None and not Path(local).is_dir():
+        raise ValueError(f"--allowed-local-media-path {local}: not a directory")
+    domains = getattr(args, "allowed_media_domains", None)
+    return MediaPolicy(allowed_local_path=local, allow_remote=not getattr(args, "disable_remote_media", False),
+                       allowed_domains=tuple(d.lower() for d in domains) if domains else None,
+                       max_bytes=getattr(args, "max_image_bytes", 20 * 2**20),
+                       fetch_timeout_s=getattr(args, "media_fetch_timeout", 10.0), max_images=max(max_images, 0))
 
 
 def api_keys_from(args: argparse.Namespace) -> tuple[str, ...]:

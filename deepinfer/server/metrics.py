@@ -65,7 +65,11 @@ _COUNTERS = {"num_preemptions": ("requests preempted by the scheduler", "num_pre
              "kv_transfers_received": ("decode: prompt caches read from a prefill engine", "kv_transfers_received"),
              "kv_transfers_failed": ("decode: transfers that failed or timed out", "kv_transfers_failed"),
              "kv_transfer_bytes": ("decode: bytes read from prefill engines", "kv_transfer_bytes"),
-             "kv_transfer_seconds": ("decode: seconds from reservation to arrival, summed", "kv_transfer_seconds")}
+             "kv_transfer_seconds": ("decode: seconds from reservation to arrival, summed", "kv_transfer_seconds"),
+             # image inputs (a vision model)
+             "images_encoded": ("images run through the vision encoder", "images_encoded"),
+             "image_encoder_seconds": ("seconds spent in the vision encoder", "image_encoder_seconds"),
+             "image_encoder_cache_hits": ("image spans served from the encoder cache", "image_cache_hits")}
 
 
 def _engine_series(engines) -> Iterator[Metric]:
@@ -195,6 +199,8 @@ class Metrics:
     def _counters(self) -> None:
         self.prompt_tokens = self._counter("prompt_tokens", "prompt tokens of accepted requests")
         self.generation_tokens = self._counter("generation_tokens", "generated tokens sent to clients")
+        self.images_received = self._counter("images_received", "images in accepted chat requests (decoded and "
+                                             "processed by the API server)")
         self.request_success = self._counter("request_success", "finished choices by finish reason",
                                              ("finished_reason",))
 

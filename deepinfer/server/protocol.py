@@ -14,6 +14,8 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from deepinfer.multimodal.prompts import IMAGE_SENTINEL
+
 # Token ids and counts travel as msgpack integers; anything past int32 is a client error anyway.
 MAX_INT = 2**31 - 1
 BoundedInt = Annotated[int, Field(ge=-MAX_INT, le=MAX_INT)]
@@ -29,11 +31,19 @@ class StreamOptions(_Body):
     include_usage: bool = False
 
 
+
+
+class ImageURL(_Body):
+    url: str
+    detail: str | None = None  # accepted and ignored: the image processor's own size rules apply
+
+
 class TextPart(_Body):
-    """A content part; only text parts are supported (serving answers 400 for other types)."""
+    """A content part: `text`, or `image_url` (vision models; serving answers 400 for other types)."""
 
     type: str = "text"
     text: str | None = None
+    image_url: ImageURL | None = None
 
 
 class ChatMessage(_Body):
@@ -45,11 +55,17 @@ class ChatMessage(_Body):
     tool_call_id: str | None = None  # a tool result's call
 
     def template_dict(self) -> dict[str, Any]:
-        """The message as the chat template sees it: content parts joined into one string."""
+        """The message as the chat template sees it: content parts joined into one string, an image part as
+        IMAGE_SENTINEL (serving splits the rendered prompt there and puts the image's placeholder token in)."""
         data = self.model_dump(exclude_none=True)
         if isinstance(self.content, list):
-            data["content"] = "".join(part.text or "" for part in self.content)
+            data["content"] = "".join(IMAGE_SENTINEL if part.type == "image_url" else part.text or ""
+                                      for part in self.content)
         return data
+
+    def image_urls(self) -> list[str]:
+        parts = self.content if isinstance(self.content, list) else ()
+        return [part.image_url.url if part.image_url is not None else "" for part in parts if part.type == "image_url"]
 
 
 class JsonSchemaFormat(_Body):

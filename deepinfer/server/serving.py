@@ -29,7 +29,12 @@ import jinja2
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from deepinfer.config_v41 import VisionConfig
 from deepinfer.engine.detokenizer import IncrementalDetokenizer
+from deepinfer.multimodal.image_processor import ImageError
+from deepinfer.multimodal.inputs import expand_placeholders
+from deepinfer.multimodal.media import MediaPolicy
+from deepinfer.multimodal.prompts import process_sources, tokens_around_images
 from deepinfer.sampling_params import SamplingParams
 from deepinfer.server.engine_client import EngineDeadError, ReplicaLost
 from deepinfer.server.errors import APIError, bad_request
@@ -73,6 +78,9 @@ class ServerSettings:
     max_request_seqs: int | None = None  # prompts x n one request may hold; None: a quarter of max_queue
     grammar_timeout_s: float = 30.0  # a structured-output constraint that does not build in time is a 400
     prefix_cache_isolation: str = "none"  # "key": each API key's requests share cached prefixes only among themselves
+    vision: VisionConfig | None = None  # the served model's vision tower (None: text only)
+    image_token_id: int = -1
+    media: MediaPolicy = MediaPolicy()  # where images may come from, and their limits
 
 
 def default_request_share(limit: int) -> int:
@@ -132,6 +140,7 @@ class Prompt:
     text: str | None
     token_ids: list[int]
     thinking: bool = False  # the prompt leaves the model inside <think>
+    images: list | None = None  # image spans (multimodal.inputs.ImageSpan) of token_ids, placeholders expanded
 
 
 class _NoText:
@@ -158,27 +167,35 @@ def chars_per_token(tokenizer) -> int:
     return 2 * max(len(piece) for piece in tokenizer.inner.get_vocab(with_added_tokens=True))
 
 
-def _check_text_only(messages: list) -> None:
+def _check_parts(messages: list, images: bool) -> None:
+    """Text parts always; image_url parts (with a url) only where the model takes images."""
     for i, message in enumerate(messages):
         for part in message.content if isinstance(message.content, list) else ():
-            if part.type != "text":
-                raise bad_request(f"messages[{i}]: only text content parts are supported, got {part.type!r}",
-                                  param="messages")
+            if part.type == "image_url" and images:
+                if part.image_url is None:
+                    raise bad_request(f"messages[{i}]: an image_url part needs image_url.url", param="messages")
+            elif part.type == "image_url":
+                raise bad_request(f"messages[{i}]: this model takes no image inputs (image_url parts need a vision "
+                                  "model such as DeepSeek-V4.1-Flash)", param="messages")
+            elif part.type != "text":
+                raise bad_request(f"messages[{i}]: content part type {part.type!r} is not supported (text, "
+                                  "image_url)", param="messages")
 
 
-def chat_prompt(tokenizer, req: ChatCompletionRequest, tools: ToolSetup) -> str:
+def chat_prompt(tokenizer, req: ChatCompletionRequest, tools: ToolSetup, images: bool = False) -> str:
     """The prompt text of a chat request: its messages in the chat template, with its tools."""
     kwargs = {**(req.chat_template_kwargs or {}), **({"tools": tools.tools} if tools.active else {})}
-    return render_chat(tokenizer, req.messages, req.add_generation_prompt, kwargs, tools.format)
+    return render_chat(tokenizer, req.messages, req.add_generation_prompt, kwargs, tools.format, images)
 
 
-def render_chat(tokenizer, messages: list, add_generation_prompt: bool, kwargs: dict | None, fmt=None) -> str:
+def render_chat(tokenizer, messages: list, add_generation_prompt: bool, kwargs: dict | None, fmt=None,
+                images: bool = False) -> str:
     """The chat template applied to `messages`; template and input problems are the client's (400). DSML
     checkpoints (V3.2, V4, V4.1) without a template for their format are rendered by DeepSeek's encoder
     (server/tool_formats.py); `fmt`: the served tool format (default: the tokenizer's)."""
     if not messages:
         raise bad_request("messages must not be empty", param="messages")
-    _check_text_only(messages)
+    _check_parts(messages, images)
     extra = {k: v for k, v in (kwargs or {}).items() if k not in _RESERVED_TEMPLATE_KWARGS}
     dicts = [m.template_dict() for m in messages]
     fmt = fmt if fmt is not None else format_of(tokenizer)
@@ -258,7 +275,8 @@ class Generation:
     async def updates(self) -> AsyncIterator[Update]:
         client = self.job.serving.client
         stream = client.generate(self.request_id, self.prompt.token_ids, self.job.params, self.job.priority,
-                                 self.job.cache_salt, self.job.kv_transfer)
+                                 self.job.cache_salt, self.job.kv_transfer,
+                                 **({"images": self.prompt.images} if self.prompt.images else {}))
         try:
             async for out in stream:  # closed in `finally`, which aborts the engine request if unfinished
                 update = self._apply(out)
@@ -625,6 +643,26 @@ class Serving:
                          max_tokens, budget)
         return self.sampling_params(req, max_tokens, structured=spec)
 
+    async def _image_prompt(self, text: str, urls: list[str], add_special_tokens: bool) -> Prompt:
+        """A rendered chat prompt with images: the text between image parts tokenised piece by piece, each image's
+        placeholder token between, the images loaded and processed off the event loop, placeholders expanded."""
+        s = self.settings
+        try:
+            s.media.check_count(len(urls))
+        except ImageError as e:
+            raise bad_request(str(e), param="messages") from None
+        self._check_chars(text, "messages")
+        encode = lambda piece, special: encode_text(self.tokenizer, piece, special)  # noqa: E731
+        try:
+            ids = await asyncio.to_thread(tokens_around_images, encode, text, len(urls), s.image_token_id,
+                                          add_special_tokens)
+            images = await asyncio.to_thread(process_sources, urls, s.media, s.vision)
+            ids, spans = expand_placeholders(ids, images, s.image_token_id)
+        except ImageError as e:
+            raise bad_request(str(e), param="messages") from None
+        self.metrics.images_received.inc(len(images))
+        return Prompt(text, ids, thinking_enabled(text), spans)
+
     async def _text_prompt(self, text: str, add_special_tokens: bool = True) -> Prompt:
         """A text prompt's tokens; special tokens (BOS) only with `add_special_tokens`."""
         self._require_tokenizer("a text prompt")
@@ -639,6 +677,9 @@ class Serving:
         if (req.prompt is None) == (req.messages is None):
             raise bad_request("give exactly one of prompt and messages")
         if req.messages is not None:
+            if any(m.image_urls() for m in req.messages):
+                raise bad_request("tokenize takes text content parts only (an image's tokens depend on its size: "
+                                  "usage.prompt_tokens of a chat request counts them)", param="messages")
             text = await self._render(req.messages, req.add_generation_prompt, req.chat_template_kwargs)
             ids = await self._tokens(text, add_special_tokens=False, param="messages")
         else:
@@ -674,9 +715,14 @@ class Serving:
         self._check_limits(req)
         self.admission.precheck(1, req.n)  # before any templating or tokenising
         tools = tool_setup(req, format_of(self.tokenizer))
-        text = await asyncio.to_thread(chat_prompt, self._require_tokenizer("chat"), req, tools)  # off the loop
-        prompt = Prompt(text, await self._tokens(text, req.add_special_tokens, param="messages"),
-                        thinking_enabled(text))
+        urls = [url for m in req.messages for url in m.image_urls()]
+        vision = self.settings.vision is not None
+        text = await asyncio.to_thread(chat_prompt, self._require_tokenizer("chat"), req, tools, vision)  # off the loop
+        if urls:
+            prompt = await self._image_prompt(text, urls, req.add_special_tokens)
+        else:
+            prompt = Prompt(text, await self._tokens(text, req.add_special_tokens, param="messages"),
+                            thinking_enabled(text))
         self._check_prompt(prompt.token_ids, req.output_limit)
         params = await self._structured_params(req, req.output_limit, prompt.thinking, tools)
         job = Job(self, request_id, [prompt], params, req.priority, req.stream, tools,

@@ -14,6 +14,7 @@ from deepinfer.engine.outputs import RunnerOutput, ScheduledRequest, SchedulerOu
 from deepinfer.layers.batch_invariant import batch_invariant, forward_per_token, position_seed
 from deepinfer.layers.metadata import CacheTensorSpec, ForwardMeta, sub_meta
 from deepinfer.spec.base import ProposeBatch, ProposeItem, Proposer
+from deepinfer.worker.encoder_cache import EncoderCache
 from deepinfer.worker.rejection import verify_greedy, verify_random
 from deepinfer.worker.sampler import Sampler, SamplingBatch, compute_prompt_logprobs, make_generator
 
@@ -89,6 +90,8 @@ class ModelRunner:
         self.cache = {s.name: self._allocate(s) for s in self.specs}
         model.bind_kv_cache(self.cache)
         self.sampler = Sampler()
+        # a vision model's encoder outputs by image digest (image spans of prompts)
+        self.encoder = EncoderCache(model.encode_image) if getattr(model, "vision", None) is not None else None
         # The plain forward, `model(meta)`; two-batch overlap swaps in distributed.overlap.TwoBatchForward.
         self.forward = model
         # Tokens sampled by the previous execute: async scheduling's placeholders resolve from here.
@@ -174,8 +177,14 @@ class ModelRunner:
             query_start=qstart, seq_starts=[s.start for s in scheduled],
             seq_lens=[s.start + s.num_new_tokens for s in scheduled], block_size=self.layout.block_size,
             paged_write_from=[s.write_from for s in scheduled],
-            prompt_lens=[len(s.request.prompt_token_ids) for s in scheduled])
+            prompt_lens=[len(s.request.prompt_token_ids) for s in scheduled], images=self._images(scheduled, qstart))
         return meta, sample_rows, prompt_rows
+
+    def _images(self, scheduled: list[ScheduledRequest], qstart: list[int]):
+        """The step's image-span rows (encoding images not cached yet); None for a text-only step."""
+        chunks = [(s.request.images, qstart[r], s.start, s.start + s.num_new_tokens - s.num_drafts)
+                  for r, s in enumerate(scheduled) if s.request.images and s.start < s.request.images[-1].end]
+        return self.encoder.step_rows(chunks, self.device) if chunks and self.encoder is not None else None
 
     def _input_ids(self, s: ScheduledRequest) -> list[int]:
         """The step's input tokens (then its drafts); a placeholder is the token this request sampled in the

@@ -1,0 +1,125 @@
+"""Where an image may come from, and decoding it: `data:` URLs (base64) always; `file://` paths only inside
+`--allowed-local-media-path`; `http(s)://` URLs only when remote fetching is on, with a size and a time limit.
+Everything that goes wrong is an ImageError (the server's 400) naming the problem; nothing is read or fetched
+outside what the policy allows.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import io
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import unquote, urlparse
+
+from PIL import Image, UnidentifiedImageError
+
+from deepinfer.multimodal.image_processor import ImageError
+
+
+@dataclass(frozen=True)
+class MediaPolicy:
+    allowed_local_path: str | None = None  # file:// URLs must resolve inside this directory; None: refused
+    allow_remote: bool = True  # http(s) URLs
+    allowed_domains: tuple[str, ...] | None = None  # http(s) hosts allowed; None: any
+    max_bytes: int = 20 * 2**20  # encoded size of one image
+    max_pixels: int = 40_000_000  # decoded width x height (decompression bombs)
+    fetch_timeout_s: float = 10.0
+    max_images: int = 8  # per request
+
+    def check_count(self, n: int) -> None:
+        if n > self.max_images:
+            raise ImageError(f"{n} images in one request; at most {self.max_images} are allowed "
+                             "(--limit-images-per-request)")
+
+
+def image_bytes(url: str, policy: MediaPolicy) -> bytes:
+    if not isinstance(url, str) or not url:
+        raise ImageError("image_url.url must be a non-empty string")
+    scheme = urlparse(url).scheme.lower()
+    if scheme == "data":
+        return _data_url(url, policy)
+    if scheme == "file":
+        return _local_file(url, policy)
+    if scheme in ("http", "https"):
+        return _fetch(url, policy)
+    raise ImageError(f"unsupported image URL scheme {scheme or url[:16]!r}: use a data: URL (base64), an http(s) "
+                     "URL or, with --allowed-local-media-path, a file:// URL")
+
+
+def _data_url(url: str, policy: MediaPolicy) -> bytes:
+    header, sep, payload = url.partition(",")
+    if not sep or ";base64" not in header.lower():
+        raise ImageError("a data: image URL must be base64 encoded (data:image/png;base64,...)")
+    if len(payload) > policy.max_bytes * 4 // 3 + 4:
+        raise ImageError(f"image is larger than {policy.max_bytes} bytes")
+    try:
+        return base64.b64decode(payload, validate=True)
+    except (binascii.Error, ValueError):
+        raise ImageError("the data: image URL is not valid base64") from None
+
+
+def _local_file(url: str, policy: MediaPolicy) -> bytes:
+    if policy.allowed_local_path is None:
+        raise ImageError("file:// image URLs are disabled; start the server with --allowed-local-media-path DIR")
+    parsed = urlparse(url)
+    if parsed.netloc not in ("", "localhost"):
+        raise ImageError(f"file:// URL with a host ({parsed.netloc!r}) is not a local path")
+    root = Path(policy.allowed_local_path).resolve()
+    path = Path(unquote(parsed.path)).resolve()  # symlinks and .. resolved before the check
+    if not path.is_relative_to(root):
+        raise ImageError(f"{path} is outside the allowed local media path")
+    if not path.is_file():
+        raise ImageError(f"{path}: no such file")
+    if path.stat().st_size > policy.max_bytes:
+        raise ImageError(f"image is larger than {policy.max_bytes} bytes")
+    return path.read_bytes()
+
+
+def _fetch(url: str, policy: MediaPolicy) -> bytes:
+    if not policy.allow_remote:
+        raise ImageError("remote image URLs are disabled on this server")
+    host = (urlparse(url).hostname or "").lower()
+    if policy.allowed_domains is not None and host not in policy.allowed_domains:
+        raise ImageError(f"image host {host!r} is not among the allowed media domains")
+    import httpx
+
+    try:
+        with httpx.stream("GET", url, timeout=policy.fetch_timeout_s, follow_redirects=True) as resp:
+            if resp.status_code != 200:
+                raise ImageError(f"fetching the image gave HTTP {resp.status_code}")
+            data = bytearray()
+            for chunk in resp.iter_bytes():
+                data += chunk
+                if len(data) > policy.max_bytes:
+                    raise ImageError(f"image is larger than {policy.max_bytes} bytes")
+            return bytes(data)
+    except httpx.TimeoutException:
+        raise ImageError(f"fetching the image took longer than {policy.fetch_timeout_s:g} s") from None
+    except httpx.HTTPError as e:
+        raise ImageError(f"fetching the image failed: {type(e).__name__}") from None
+
+
+def decode_image(data: bytes, policy: MediaPolicy) -> Image.Image:
+    """A fully decoded RGB image; refuses non-images, corrupt files and oversize pixel counts."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            with Image.open(io.BytesIO(data)) as img:
+                if img.width * img.height > policy.max_pixels:
+                    raise ImageError(f"image is {img.width} x {img.height} pixels; at most {policy.max_pixels} "
+                                     "are allowed")
+                img.load()
+                return img.convert("RGB")
+    except ImageError:
+        raise
+    except UnidentifiedImageError:
+        raise ImageError("the data is not an image Pillow can read (PNG, JPEG, WebP, GIF, ...)") from None
+    except (OSError, ValueError, SyntaxError, Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
+        raise ImageError(f"the image is corrupt or truncated ({type(e).__name__})") from None
+
+
+def load_image(url: str, policy: MediaPolicy) -> Image.Image:
+    return decode_image(image_bytes(url, policy), policy)
