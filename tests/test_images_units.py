@@ -176,3 +176,53 @@ def test_messages_flatten_and_tokenise_around_images():
         tokens_around_images(encode, "no marker", 1, 510, True)
     with pytest.raises(ValueError, match="not supported"):
         flatten_messages([{"role": "user", "content": [{"type": "audio_url"}]}])
+
+
+@pytest.fixture(scope="module")
+def web():
+    """A local HTTP server: /img.png, /big (5 MB), /slow (trickles), /404, /away (redirects to another host)."""
+    import http.server
+    import threading
+    import time
+
+    body = png(16, 12)
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def log_message(self, *args):
+            pass
+
+        def do_GET(self):
+            if self.path == "/away":
+                self.send_response(302)
+                self.send_header("Location", "http://localhost:9/elsewhere.png")
+                self.end_headers()
+                return
+            if self.path == "/home":
+                self.send_response(302)
+                self.send_header("Location", "/img.png")
+                self.end_headers()
+                return
+            data = {"/img.png": body, "/big": b"x" * 5_000_000, "/slow": body}.get(self.path)
+            self.send_response(404 if data is None else 200)
+            self.end_headers()
+            for i in range(0, len(data or b""), 64):
+                self.wfile.write(data[i:i + 64])
+                if self.path == "/slow":
+                    self.wfile.flush()
+                    time.sleep(0.2)
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+
+
+def test_remote_fetches_keep_their_limits(web):
+    policy = MediaPolicy(fetch_timeout_s=1.0, max_bytes=1_000_000)
+    assert load_image(f"{web}/img.png", policy).size == (16, 12)
+    assert load_image(f"{web}/home", policy).size == (16, 12)  # a redirect on the same host
+    for path, message in [("/big", "larger than"), ("/slow", "longer than 1 s"), ("/404", "HTTP 404")]:
+        with pytest.raises(ImageError, match=message):
+            image_bytes(web + path, policy)
+    with pytest.raises(ImageError, match="allowed media domains"):  # each redirect hop is checked
+        image_bytes(f"{web}/away", MediaPolicy(allowed_domains=("127.0.0.1",)))

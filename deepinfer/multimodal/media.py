@@ -9,6 +9,7 @@ from __future__ import annotations
 import base64
 import binascii
 import io
+import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -79,27 +80,53 @@ def _local_file(url: str, policy: MediaPolicy) -> bytes:
 
 
 def _fetch(url: str, policy: MediaPolicy) -> bytes:
-    if not policy.allow_remote:
-        raise ImageError("remote image URLs are disabled on this server")
-    host = (urlparse(url).hostname or "").lower()
-    if policy.allowed_domains is not None and host not in policy.allowed_domains:
-        raise ImageError(f"image host {host!r} is not among the allowed media domains")
+    """GET with the size and time limits; redirects are followed by hand (at most 5), each hop's host checked."""
     import httpx
 
+    deadline = time.monotonic() + policy.fetch_timeout_s  # for the whole fetch; httpx's timeouts are per read
     try:
-        with httpx.stream("GET", url, timeout=policy.fetch_timeout_s, follow_redirects=True) as resp:
-            if resp.status_code != 200:
-                raise ImageError(f"fetching the image gave HTTP {resp.status_code}")
-            data = bytearray()
-            for chunk in resp.iter_bytes():
-                data += chunk
-                if len(data) > policy.max_bytes:
-                    raise ImageError(f"image is larger than {policy.max_bytes} bytes")
-            return bytes(data)
+        with httpx.Client(timeout=policy.fetch_timeout_s, follow_redirects=False) as client:
+            for _ in range(_MAX_REDIRECTS + 1):
+                _check_remote(url, policy)
+                with client.stream("GET", url) as resp:
+                    if resp.is_redirect and resp.headers.get("location"):
+                        url = str(resp.url.join(resp.headers["location"]))
+                        continue
+                    if resp.status_code != 200:
+                        raise ImageError(f"fetching the image gave HTTP {resp.status_code}")
+                    return _read_limited(resp, policy, deadline)
+            raise ImageError(f"fetching the image took more than {_MAX_REDIRECTS} redirects")
     except httpx.TimeoutException:
         raise ImageError(f"fetching the image took longer than {policy.fetch_timeout_s:g} s") from None
     except httpx.HTTPError as e:
         raise ImageError(f"fetching the image failed: {type(e).__name__}") from None
+
+
+_MAX_REDIRECTS = 5
+
+
+def _check_remote(url: str, policy: MediaPolicy) -> None:
+    parsed = urlparse(url)
+    if not policy.allow_remote:
+        raise ImageError("remote image URLs are disabled on this server")
+    if parsed.scheme.lower() not in ("http", "https"):
+        raise ImageError(f"an image URL redirected to an unsupported scheme {parsed.scheme!r}")
+    host = (parsed.hostname or "").lower()
+    if policy.allowed_domains is not None and host not in policy.allowed_domains:
+        raise ImageError(f"image host {host!r} is not among the allowed media domains")
+
+
+def _read_limited(resp, policy: MediaPolicy, deadline: float) -> bytes:
+    if int(resp.headers.get("content-length") or 0) > policy.max_bytes:
+        raise ImageError(f"image is larger than {policy.max_bytes} bytes")
+    data = bytearray()
+    for chunk in resp.iter_bytes():
+        data += chunk
+        if len(data) > policy.max_bytes:
+            raise ImageError(f"image is larger than {policy.max_bytes} bytes")
+        if time.monotonic() > deadline:
+            raise ImageError(f"fetching the image took longer than {policy.fetch_timeout_s:g} s")
+    return bytes(data)
 
 
 def decode_image(data: bytes, policy: MediaPolicy) -> Image.Image:

@@ -90,16 +90,16 @@ class ReplicatedEngineClient:
     # --- requests --------------------------------------------------------------------------------
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                        priority: int = 0, cache_salt: str | None = None,
-                       kv_transfer: dict | None = None) -> AsyncIterator:
+                       kv_transfer: dict | None = None, images: list | None = None) -> AsyncIterator:
         """AsyncEngineClient.generate on the replica the router picks for the request; retried once on
         another replica when its replica is lost before the request produced anything, else ReplicaLost
         (the server answers 503)."""
         for attempt in (0, 1):
-            replica, cost = self._route(request_id, prompt_token_ids, params, cache_salt)
+            replica, cost = self._route(request_id, prompt_token_ids, params, cache_salt, images)
             client, produced = self.clients[replica], False
             try:
                 async for out in client.generate(request_id, prompt_token_ids, params, priority, cache_salt,
-                                                 kv_transfer):
+                                                 kv_transfer, images):
                     if out.finish_reason == "error" and client.dead:
                         if not produced and attempt == 0:
                             break  # lost before anything reached the caller: route again
@@ -117,10 +117,11 @@ class ReplicatedEngineClient:
             logger.warning("request %s: replica %d was lost before it started; retrying", request_id, replica)
 
     def _route(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-               cache_salt: str | None) -> tuple[int, int]:
+               cache_salt: str | None, images: list | None = None) -> tuple[int, int]:
         if self.dead or self.closed:
             raise EngineDeadError(self.dead_reason or "the engine client is shut down")
-        hashes = chain_hashes(prompt_token_ids, self.ready.block_size, cache_salt, [])
+        keys = tuple((s.offset, s.end, s.digest) for s in images or ())  # as Request.image_keys: the engine's hashes
+        hashes = chain_hashes(prompt_token_ids, self.ready.block_size, cache_salt, [], keys)
         cost = request_cost(len(prompt_token_ids), params)
         try:
             decision = self.state.choose(hashes, cost, sticky_key=cache_salt)
