@@ -53,7 +53,7 @@ class LLM:
                  allowed_local_media_path: str | None = None, **engine_options):
         """allowed_local_media_path: images may be file:// URLs of files inside this directory (vLLM's option)."""
         path, bundled = resolve_model(model)
-        self.media = MediaPolicy(allowed_local_path=allowed_local_media_path)
+        self.media = MediaPolicy(allowed_local_path=allowed_local_media_path, block_private=False)  # trusted caller
         if bundled:
             print(f"deepinfer: using the bundled default model ({path.name})")
         self.engine = build_engine(path, EngineArgs.from_kwargs(**engine_options))
@@ -97,8 +97,7 @@ class LLM:
         prepared = [self._prepare(i, item) for i, item in enumerate(items)]
         for i, ((_, ids, images), p) in enumerate(zip(prepared, params)):
             self.engine.validate_request(f"prompt {i}", ids, p)
-            if images:
-                self.engine.validate_images(f"prompt {i}", ids, tuple(images), None)
+            self.engine.validate_images(f"prompt {i}", ids, tuple(images or ()), None)
         ids = [self._add(text, toks, p, (priority or [0] * len(items))[i], _salt(items[i]), images)
                for i, ((text, toks, images), p) in enumerate(zip(prepared, params))]
         return self._run(ids, use_tqdm)

@@ -88,7 +88,9 @@ class Request:
     @property
     def image_keys(self) -> tuple[tuple[int, int, str], ...]:
         """(offset, end, digest) per image span."""
-        return tuple((s.offset, s.end, s.digest) for s in self.images)
+        from deepinfer.multimodal.inputs import image_keys  # only requests with images get here
+
+        return image_keys(self.images) if self.images else ()
 
     @property
     def is_finished(self) -> bool:

@@ -28,7 +28,8 @@ CACHE_HITS = "deepinfer:image_encoder_cache_hits_total"
 def server(tmp_path_factory):
     log = tmp_path_factory.mktemp("images") / "server.log"
     proc = ServerProcess(V, log, "--max-model-len", "256", "--allowed-local-media-path", str(IMAGES),
-                         "--limit-mm-per-prompt", '{"image": 2}', "--media-fetch-timeout", "2")
+                         "--limit-mm-per-prompt", '{"image": 2}', "--media-fetch-timeout", "2",
+                         "--max-image-bytes", "3000000")
     yield proc.wait_ready()
     proc.stop()
 
@@ -46,6 +47,12 @@ def noise_png(w: int, h: int, seed: int) -> bytes:
     buf = io.BytesIO()
     Image.fromarray(np.random.default_rng(seed).integers(0, 255, (h, w, 3), dtype=np.uint8)).save(buf, "PNG")
     return buf.getvalue()
+
+
+def solid_png(w: int, h: int) -> str:
+    buf = io.BytesIO()
+    Image.new("RGB", (w, h), (40, 90, 200)).save(buf, "PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
 
 
 def user(*parts) -> list[dict]:
@@ -120,7 +127,9 @@ BAD = [
     (user("x", ("data:image/png;base64,%%%",)), "base64"),
     (user("x", ("file:///etc/hostname",)), "outside the allowed"),
     (user("x", ("ftp://example.com/a.png",)), "unsupported image URL scheme"),
-    (user("x", ("http://127.0.0.1:9/a.png",)), "fetching the image failed"),
+    (user("x", ("http://127.0.0.1:9/a.png",)), "loopback, private or link-local"),
+    (user("x", ("data:image/png;base64," + base64.b64encode(noise_png(1100, 1000, 1)).decode(),)), "larger than"),
+    (user("x", (solid_png(5000, 4000),)), "pixels"),  # 20 M pixels, small on the wire
     (user(*[(data_url(IMAGES / "small.png"),)] * 3), "at most 2"),
     ([{"role": "user", "content": [{"type": "image_url"}]}], "image_url"),
     ([{"role": "user", "content": [{"type": "input_audio", "input_audio": {}}]}], "not supported"),

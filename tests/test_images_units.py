@@ -140,8 +140,12 @@ def test_remote_urls_follow_the_policy():
         image_bytes("http://127.0.0.1:9/x.png", MediaPolicy(allow_remote=False))
     with pytest.raises(ImageError, match="allowed media domains"):
         image_bytes("http://127.0.0.1:9/x.png", MediaPolicy(allowed_domains=("example.com",)))
-    with pytest.raises(ImageError, match="failed"):  # nothing listens on the discard port
-        image_bytes("http://127.0.0.1:9/x.png", MediaPolicy(fetch_timeout_s=2))
+    with pytest.raises(ImageError, match="loopback, private or link-local"):  # by default
+        image_bytes("http://127.0.0.1:9/x.png", MediaPolicy())
+    with pytest.raises(ImageError, match="failed"):  # listed, so fetched: nothing listens on the discard port
+        image_bytes("http://127.0.0.1:9/x.png", MediaPolicy(fetch_timeout_s=2, allowed_domains=("127.0.0.1",)))
+    with pytest.raises(ImageError, match="cannot be read"):
+        image_bytes("http://[::1/x.png", MediaPolicy())
 
 
 def test_chunks_never_end_inside_an_image_span():
@@ -218,7 +222,7 @@ def web():
 
 
 def test_remote_fetches_keep_their_limits(web):
-    policy = MediaPolicy(fetch_timeout_s=1.0, max_bytes=1_000_000)
+    policy = MediaPolicy(fetch_timeout_s=1.0, max_bytes=1_000_000, block_private=False)
     assert load_image(f"{web}/img.png", policy).size == (16, 12)
     assert load_image(f"{web}/home", policy).size == (16, 12)  # a redirect on the same host
     for path, message in [("/big", "larger than"), ("/slow", "longer than 1 s"), ("/404", "HTTP 404")]:
@@ -226,3 +230,11 @@ def test_remote_fetches_keep_their_limits(web):
             image_bytes(web + path, policy)
     with pytest.raises(ImageError, match="allowed media domains"):  # each redirect hop is checked
         image_bytes(f"{web}/away", MediaPolicy(allowed_domains=("127.0.0.1",)))
+    with pytest.raises(ImageError, match="supported format"):  # a real PNG decoder, but no EPS / TIFF / ...
+        load_image("data:image/tiff;base64," + base64.b64encode(_tiff()).decode(), MediaPolicy())
+
+
+def _tiff() -> bytes:
+    buf = io.BytesIO()
+    Image.new("RGB", (4, 4)).save(buf, "TIFF")
+    return buf.getvalue()

@@ -80,7 +80,9 @@ class DPEngineCore:
 
     # --- requests ------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    priority: int = 0, cache_salt: str | None = None, kv_transfer: dict | None = None) -> list[Request]:
+                    priority: int = 0, cache_salt: str | None = None, kv_transfer: dict | None = None,
+                    images: list | None = None) -> list[Request]:
+        self.validate_images(request_id, prompt_token_ids, tuple(images or ()), kv_transfer)  # images: world 1 only
         d = pick_replica([replica_load(c) for c in self.replicas])
         requests = self.replicas[d].add_request(request_id, prompt_token_ids, params, priority, cache_salt,
                                                 kv_transfer)
@@ -90,6 +92,9 @@ class DPEngineCore:
 
     def validate_request(self, request_id: str, prompt: list[int], params: SamplingParams) -> int:
         return self.replicas[0].validate_request(request_id, prompt, params)
+
+    def validate_images(self, request_id: str, prompt: list[int], images: tuple, kv_transfer: dict | None) -> None:
+        self.replicas[0].validate_images(request_id, prompt, images, kv_transfer)
 
     def abort(self, request_id: str, status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> Request | None:
         d = self.owner.pop(request_id, None)

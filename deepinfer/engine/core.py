@@ -281,11 +281,13 @@ class EngineCore:
                              "tower)")
         if kv_transfer:
             raise ValueError(f"request {request_id}: image inputs cannot be combined with disaggregated prefill")
+        if self.args.parallel.world_size > 1:  # the rank processes' request mirrors carry no images
+            raise ValueError(f"request {request_id}: image inputs need a one-process engine (world size 1)")
         from deepinfer.multimodal.inputs import check_spans
 
         check_spans(prompt, list(images), v41.image_token_id, vision)
         longest = max(s.length for s in images)
-        if self.args.enable_chunked_prefill and longest > self.args.max_num_batched_tokens:
+        if longest > self.args.max_num_batched_tokens:  # chunked or not, a span goes into one step whole
             raise ValueError(f"request {request_id}: an image of {longest} tokens does not fit one step "
                              f"(max_num_batched_tokens {self.args.max_num_batched_tokens}); image spans are "
                              "prefilled whole")

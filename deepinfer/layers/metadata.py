@@ -35,7 +35,9 @@ class CacheTensorSpec:
         return n * torch.empty((), dtype=self.dtype).element_size()
 
 
-IMAGE_TYPE = 1  # the span token type that takes an encoder row (multimodal.image_processor.IMAGE)
+# Token types inside an image span (multimodal.image_processor lays spans out; models embed them by type). Only
+# IMAGE positions take encoder rows; the others take learned delimiter embeddings.
+IMAGE_START, IMAGE_TYPE, IMAGE_NEWLINE, IMAGE_END = range(4)
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,7 @@ from deepinfer.distributed.model_parallel import ModelParallel
 from deepinfer.kernels import triton_enabled
 from deepinfer.layers.attention import blocked_sink_attention
 from deepinfer.layers.batch_invariant import batch_invariant_enabled
-from deepinfer.layers.metadata import IMAGE_TYPE, CacheTensorSpec, ForwardMeta
+from deepinfer.layers.metadata import IMAGE_END, IMAGE_NEWLINE, IMAGE_START, IMAGE_TYPE, CacheTensorSpec, ForwardMeta
 from deepinfer.layers.mx_quant import MXStore, block_scaled_linear, packed_shapes, qdq
 from deepinfer.layers.norm import RMSNorm
 from deepinfer.layers.rotary import complex_rotations, rotate_tail_complex
@@ -47,8 +47,6 @@ from deepinfer.models.v41_plan import (
 )
 from deepinfer.models.vision_v41 import Aligner, VisionTower
 from deepinfer.models.weights import assign_weights
-
-START, NEWLINE, END = 0, 2, 3  # image span token types besides IMAGE (multimodal.image_processor)
 
 
 class QLinear(nn.Module):
@@ -614,7 +612,8 @@ class DeepseekV41ForCausalLM(nn.Module):
         if self.config.v41.vision is None:
             raise ValueError("image inputs need a checkpoint with a vision tower")
         h = h.clone()
-        for kind, value in ((START, self.image_start), (END, self.image_end), (NEWLINE, self.image_newline)):
+        for kind, value in ((IMAGE_START, self.image_start), (IMAGE_END, self.image_end),
+                            (IMAGE_NEWLINE, self.image_newline)):
             h[img.rows[img.types == kind]] = value.to(h.dtype)
         h[img.rows[img.types == IMAGE_TYPE]] = img.features.to(h.dtype)
         return h

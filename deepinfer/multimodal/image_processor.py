@@ -21,8 +21,10 @@ import torch
 from PIL import Image, ImageOps
 
 from deepinfer.config_v41 import VisionConfig
+from deepinfer.layers.metadata import IMAGE_END, IMAGE_NEWLINE, IMAGE_START, IMAGE_TYPE
+from deepinfer.models.vision_v41 import llm_grid
 
-START, IMAGE, NEWLINE, END = range(4)  # token types inside an image span
+START, IMAGE, NEWLINE, END = IMAGE_START, IMAGE_TYPE, IMAGE_NEWLINE, IMAGE_END  # token types inside a span
 PAD_GREY = (127, 127, 127)
 
 
@@ -47,8 +49,7 @@ def span_types(n_llm_h: int, n_llm_w: int) -> list[int]:
 
 
 def _token_grid(height: int, width: int, cfg: VisionConfig) -> tuple[int, int]:
-    p, r = cfg.patch_size, cfg.downsample_ratio
-    return math.ceil((height // p) / r), math.ceil((width // p) / r)
+    return llm_grid(int(height) // cfg.patch_size, int(width) // cfg.patch_size, cfg.downsample_ratio)
 
 
 def _fit(height: float, width: float, cfg: VisionConfig) -> tuple[int, int]:
@@ -111,7 +112,7 @@ def _pixels(image: Image.Image, plan: GridPlan, cfg: VisionConfig) -> Image.Imag
 
 
 def preprocess(image: Image.Image, cfg: VisionConfig) -> ProcessedImage:
-    rgb = image.convert("RGB")
+    rgb = image if image.mode == "RGB" else image.convert("RGB")
     plan = plan_grid(rgb.width, rgb.height, cfg)
     p, n_h, n_w = cfg.patch_size, plan.height // cfg.patch_size, plan.width // cfg.patch_size
     x = torch.from_numpy(np.asarray(_pixels(rgb, plan, cfg), dtype=np.float32)).permute(2, 0, 1) / 255

@@ -24,7 +24,7 @@ class ImageSpan:
     n_llm_h: int
     n_llm_w: int
     digest: str
-    patches: torch.Tensor | None  # bf16 [n_vit_h * n_vit_w, 3, p, p]; None once the features are cached upstream
+    patches: torch.Tensor  # bf16 [n_vit_h * n_vit_w, 3, p, p]
 
     @property
     def length(self) -> int:
@@ -50,6 +50,11 @@ class ImageSpan:
             return cls(int(d["offset"]), *(int(x) for x in d["grid"]), str(d["digest"]), patches)
         except (KeyError, TypeError, ValueError, RuntimeError) as e:
             raise ImageError(f"malformed image input: {e}") from None
+
+
+def image_keys(spans) -> tuple[tuple[int, int, str], ...]:
+    """(offset, end, digest) per span: what the prefix cache's block hashes take of a prompt's images."""
+    return tuple((s.offset, s.end, s.digest) for s in spans or ())
 
 
 def expand_placeholders(token_ids: list[int], images: list[ProcessedImage], image_token_id: int

@@ -9,8 +9,9 @@ from __future__ import annotations
 import base64
 import binascii
 import io
+import ipaddress
+import socket
 import time
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import unquote, urlparse
@@ -19,26 +20,38 @@ from PIL import Image, UnidentifiedImageError
 
 from deepinfer.multimodal.image_processor import ImageError
 
+FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP")  # decoders run on untrusted bytes: only these (no EPS / Ghostscript)
+
 
 @dataclass(frozen=True)
 class MediaPolicy:
     allowed_local_path: str | None = None  # file:// URLs must resolve inside this directory; None: refused
     allow_remote: bool = True  # http(s) URLs
     allowed_domains: tuple[str, ...] | None = None  # http(s) hosts allowed; None: any
+    block_private: bool = True  # refuse hosts resolving to loopback / private / link-local addresses (unless listed)
     max_bytes: int = 20 * 2**20  # encoded size of one image
-    max_pixels: int = 40_000_000  # decoded width x height (decompression bombs)
+    max_pixels: int = 16_000_000  # decoded width x height (decompression bombs: 48 MB as RGB)
     fetch_timeout_s: float = 10.0
     max_images: int = 8  # per request
 
     def check_count(self, n: int) -> None:
         if n > self.max_images:
             raise ImageError(f"{n} images in one request; at most {self.max_images} are allowed "
-                             "(--limit-images-per-request)")
+                             "(--limit-mm-per-prompt)")
 
 
 def image_bytes(url: str, policy: MediaPolicy) -> bytes:
     if not isinstance(url, str) or not url:
         raise ImageError("image_url.url must be a non-empty string")
+    try:
+        return _bytes_of(url, policy)
+    except (ValueError, OSError) as e:  # a malformed URL or path, an unreadable file (ImageError passes through)
+        if isinstance(e, ImageError):
+            raise
+        raise ImageError(f"the image URL cannot be read: {type(e).__name__}: {e}") from None
+
+
+def _bytes_of(url: str, policy: MediaPolicy) -> bytes:
     scheme = urlparse(url).scheme.lower()
     if scheme == "data":
         return _data_url(url, policy)
@@ -88,6 +101,8 @@ def _fetch(url: str, policy: MediaPolicy) -> bytes:
         with httpx.Client(timeout=policy.fetch_timeout_s, follow_redirects=False) as client:
             for _ in range(_MAX_REDIRECTS + 1):
                 _check_remote(url, policy)
+                if time.monotonic() > deadline:
+                    raise httpx.TimeoutException("deadline")
                 with client.stream("GET", url) as resp:
                     if resp.is_redirect and resp.headers.get("location"):
                         url = str(resp.url.join(resp.headers["location"]))
@@ -112,8 +127,21 @@ def _check_remote(url: str, policy: MediaPolicy) -> None:
     if parsed.scheme.lower() not in ("http", "https"):
         raise ImageError(f"an image URL redirected to an unsupported scheme {parsed.scheme!r}")
     host = (parsed.hostname or "").lower()
-    if policy.allowed_domains is not None and host not in policy.allowed_domains:
+    listed = policy.allowed_domains is not None and host in policy.allowed_domains
+    if policy.allowed_domains is not None and not listed:
         raise ImageError(f"image host {host!r} is not among the allowed media domains")
+    if policy.block_private and not listed and _private(host, parsed.port):
+        raise ImageError(f"image host {host!r} is a loopback, private or link-local address (list it in "
+                         "--allowed-media-domains to allow it)")
+
+
+def _private(host: str, port: int | None) -> bool:
+    """Whether any address the host resolves to is not a public one (an unresolvable host is left to the fetch)."""
+    try:
+        infos = socket.getaddrinfo(host, port or 80, proto=socket.IPPROTO_TCP)
+    except (OSError, UnicodeError):
+        return False
+    return any(not ipaddress.ip_address(info[4][0].split("%")[0]).is_global for info in infos)
 
 
 def _read_limited(resp, policy: MediaPolicy, deadline: float) -> bytes:
@@ -130,21 +158,19 @@ def _read_limited(resp, policy: MediaPolicy, deadline: float) -> bytes:
 
 
 def decode_image(data: bytes, policy: MediaPolicy) -> Image.Image:
-    """A fully decoded RGB image; refuses non-images, corrupt files and oversize pixel counts."""
+    """A fully decoded RGB image; refuses non-images, other formats, corrupt files and oversize pixel counts (checked
+    from the header, before decoding)."""
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("error", Image.DecompressionBombWarning)
-            with Image.open(io.BytesIO(data)) as img:
-                if img.width * img.height > policy.max_pixels:
-                    raise ImageError(f"image is {img.width} x {img.height} pixels; at most {policy.max_pixels} "
-                                     "are allowed")
-                img.load()
-                return img.convert("RGB")
+        img = Image.open(io.BytesIO(data), formats=FORMATS)  # not `with`: closing would free a returned RGB image
+        if img.width * img.height > policy.max_pixels:
+            raise ImageError(f"image is {img.width} x {img.height} pixels; at most {policy.max_pixels} are allowed")
+        img.load()
+        return img if img.mode == "RGB" else img.convert("RGB")
     except ImageError:
         raise
     except UnidentifiedImageError:
-        raise ImageError("the data is not an image Pillow can read (PNG, JPEG, WebP, GIF, ...)") from None
-    except (OSError, ValueError, SyntaxError, Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
+        raise ImageError(f"the data is not an image of a supported format ({', '.join(FORMATS)})") from None
+    except Exception as e:  # noqa: BLE001  Pillow's decoders raise many types on bad input; all are the input's
         raise ImageError(f"the image is corrupt or truncated ({type(e).__name__})") from None
 
 

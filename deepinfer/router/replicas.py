@@ -25,6 +25,7 @@ from collections.abc import AsyncIterator, Sequence
 
 from deepinfer.engine.kv_cache import chain_hashes
 from deepinfer.engine.messages import EngineStats
+from deepinfer.multimodal.inputs import image_keys
 from deepinfer.router.metrics import RouterCollector, RouterStats
 from deepinfer.router.policy import NoReplica, RouterConfig
 from deepinfer.router.state import RouterState
@@ -120,8 +121,7 @@ class ReplicatedEngineClient:
                cache_salt: str | None, images: list | None = None) -> tuple[int, int]:
         if self.dead or self.closed:
             raise EngineDeadError(self.dead_reason or "the engine client is shut down")
-        keys = tuple((s.offset, s.end, s.digest) for s in images or ())  # as Request.image_keys: the engine's hashes
-        hashes = chain_hashes(prompt_token_ids, self.ready.block_size, cache_salt, [], keys)
+        hashes = chain_hashes(prompt_token_ids, self.ready.block_size, cache_salt, [], image_keys(images))
         cost = request_cost(len(prompt_token_ids), params)
         try:
             decision = self.state.choose(hashes, cost, sticky_key=cache_salt)

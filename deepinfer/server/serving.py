@@ -22,6 +22,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -474,6 +475,7 @@ def _floor(lp: float) -> float:
 
 
 # --- the service ---------------------------------------------------------------------------------
+_MEDIA_POOL = ThreadPoolExecutor(max_workers=4, thread_name_prefix="deepinfer-media")  # image fetch / decode
 class Serving:
     def __init__(self, client, tokenizer, settings: ServerSettings, metrics: Metrics):
         self.client, self.tokenizer, self.settings, self.metrics = client, tokenizer, settings, metrics
@@ -656,7 +658,9 @@ class Serving:
         try:
             ids = await asyncio.to_thread(tokens_around_images, encode, text, len(urls), s.image_token_id,
                                           add_special_tokens)
-            images = await asyncio.to_thread(process_sources, urls, s.media, s.vision)
+            # on a pool of their own: slow image hosts must not take the threads tokenising needs
+            images = await asyncio.get_running_loop().run_in_executor(_MEDIA_POOL, process_sources, urls, s.media,
+                                                                      s.vision)
             ids, spans = expand_placeholders(ids, images, s.image_token_id)
         except ImageError as e:
             raise bad_request(str(e), param="messages") from None
