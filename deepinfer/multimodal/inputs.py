@@ -8,6 +8,7 @@ span's IMAGE positions take the encoder's rows in reading order (image_processor
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -36,6 +37,11 @@ class ImageSpan:
 
     def types(self) -> list[int]:
         return span_types(self.n_llm_h, self.n_llm_w)
+
+    @cached_property
+    def wire(self) -> dict:
+        """The wire form, built once (the server builds it off the event loop: the patches are megabytes)."""
+        return self.to_wire()
 
     def to_wire(self) -> dict:
         raw = self.patches.contiguous().view(torch.int16).numpy().tobytes()

@@ -315,7 +315,7 @@ def _encode_add(request_id: str, prompt_token_ids: list[int], params: SamplingPa
         raise ValueError(f"request {request_id}: prompt token ids must be ints")
     try:
         return encode(AddRequest(request_id, [int(t) for t in ids], params_to_dict(params), priority, time.time(),
-                                 cache_salt, kv_transfer, [s.to_wire() for s in images] if images else None))
+                                 cache_salt, kv_transfer, [s.wire for s in images] if images else None))
     except (TypeError, OverflowError) as e:
         raise ValueError(f"request {request_id}: {e}") from None
 

@@ -476,6 +476,14 @@ def _floor(lp: float) -> float:
 
 # --- the service ---------------------------------------------------------------------------------
 _MEDIA_POOL = ThreadPoolExecutor(max_workers=4, thread_name_prefix="deepinfer-media")  # image fetch / decode
+
+
+def _image_spans(ids: list[int], urls: list[str], s: ServerSettings) -> tuple[list[int], list]:
+    """On the media pool: the images loaded and processed, the placeholders expanded, the wire forms built."""
+    ids, spans = expand_placeholders(ids, process_sources(urls, s.media, s.vision), s.image_token_id)
+    for span in spans:
+        _ = span.wire
+    return ids, spans
 class Serving:
     def __init__(self, client, tokenizer, settings: ServerSettings, metrics: Metrics):
         self.client, self.tokenizer, self.settings, self.metrics = client, tokenizer, settings, metrics
@@ -659,12 +667,10 @@ class Serving:
             ids = await asyncio.to_thread(tokens_around_images, encode, text, len(urls), s.image_token_id,
                                           add_special_tokens)
             # on a pool of their own: slow image hosts must not take the threads tokenising needs
-            images = await asyncio.get_running_loop().run_in_executor(_MEDIA_POOL, process_sources, urls, s.media,
-                                                                      s.vision)
-            ids, spans = expand_placeholders(ids, images, s.image_token_id)
+            ids, spans = await asyncio.get_running_loop().run_in_executor(_MEDIA_POOL, _image_spans, ids, urls, s)
         except ImageError as e:
             raise bad_request(str(e), param="messages") from None
-        self.metrics.images_received.inc(len(images))
+        self.metrics.images_received.inc(len(spans))
         return Prompt(text, ids, thinking_enabled(text), spans)
 
     async def _text_prompt(self, text: str, add_special_tokens: bool = True) -> Prompt:
