@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-from v41_golden import GOLDEN, golden_threads, load_golden  # noqa: F401  (autouse: the goldens' threads)
+from v41_golden import GOLDEN, golden_threads, load_golden, run_to_end  # noqa: F401  (autouse: the goldens' threads)
 
 from deepinfer import LLM, SamplingParams
 from deepinfer.config import ConfigError, ModelConfig
@@ -38,19 +38,9 @@ def _llm(name: str, **options) -> LLM:
 
 def _run(llm: LLM, prompts: list[list[int]], steps: int) -> tuple[dict, dict]:
     """Greedy tokens and each sampled row's log-probs [vocab] by request, through the engine's own steps."""
-    captured, rows = [], {}
-    compute = llm.engine.model.compute_logits
-    llm.engine.model.compute_logits = lambda h: captured.append(compute(h)) or captured[-1]
     for i, p in enumerate(prompts):
         llm.engine.add_request(str(i), p, SamplingParams(temperature=0, max_tokens=steps, ignore_eos=True))
-    tokens: dict[str, list[int]] = {}
-    while llm.engine.has_unfinished:
-        for req in llm.engine.step():
-            tokens[req.request_id] = list(req.output_token_ids)
-        sampled = [s for s in llm.engine.last_scheduled.scheduled if s.samples]
-        for row, s in enumerate(sampled):
-            rows.setdefault(s.request.request_id, []).append(captured[-1][row].log_softmax(-1))
-    return tokens, rows
+    return run_to_end(llm)
 
 
 def _check(name: str, llm: LLM, which: list[int]) -> float:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 from PIL import Image
-from v41_golden import GOLDEN, golden_threads, load_golden  # noqa: F401  (autouse: the goldens' threads)
+from v41_golden import GOLDEN, golden_threads, load_golden, run_to_end  # noqa: F401  (autouse: the goldens' threads)
 
 from deepinfer import LLM, SamplingParams
 from deepinfer.multimodal.image_processor import ImageError, preprocess
@@ -35,24 +35,13 @@ def _llm(**options) -> LLM:
 
 def _run(llm: LLM, g: dict, which: list[int], n: int = 1):
     """Greedy tokens and each sampled row's log-probs [vocab] by request id, through the engine's own steps."""
-    captured, rows = [], {}
-    compute = llm.engine.model.compute_logits
-    llm.engine.model.compute_logits = lambda h: captured.append(compute(h)) or captured[-1]
     steps = len(g["tracks"]["fixed"]["tokens"][0])
     for i in which:
         ids, spans = llm._with_images(list(g["prompts"][i]["ids"]), _images(g, i))
         assert ids == g["prompts"][i]["input_ids"]
         llm.engine.add_request(str(i), ids, SamplingParams(temperature=0, max_tokens=steps, ignore_eos=True, n=n),
                                images=spans)
-    tokens: dict[str, list[int]] = {}
-    while llm.engine.has_unfinished:
-        for req in llm.engine.step():
-            tokens[req.request_id] = list(req.output_token_ids)
-        sampled = [s for s in llm.engine.last_scheduled.scheduled if s.samples]
-        for row, s in enumerate(sampled):
-            rows.setdefault(s.request.request_id, []).append(captured[-1][row].log_softmax(-1))
-    llm.engine.model.compute_logits = compute
-    return tokens, rows
+    return run_to_end(llm)
 
 
 def _check(g: dict, tensors: dict, tokens: dict, rows: dict, rid: str, i: int) -> float:

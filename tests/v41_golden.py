@@ -83,3 +83,22 @@ def load_golden(name: str) -> tuple[dict, dict]:
     """(golden.json, golden.safetensors tensors) of config `name` for this machine."""
     d = golden_dir(name)
     return json.loads((d / "golden.json").read_text()), load_file(str(d / "golden.safetensors"))
+
+
+def run_to_end(llm) -> tuple[dict[str, list[int]], dict[str, list[torch.Tensor]]]:
+    """Step the engine of `llm` until its queued requests finish: (output tokens, the log-probs [vocab] of each
+    sampled row) by request id, in step order."""
+    captured, rows = [], {}
+    compute = llm.engine.model.compute_logits
+    llm.engine.model.compute_logits = lambda h: captured.append(compute(h)) or captured[-1]
+    tokens: dict[str, list[int]] = {}
+    try:
+        while llm.engine.has_unfinished:
+            for req in llm.engine.step():
+                tokens[req.request_id] = list(req.output_token_ids)
+            sampled = [s for s in llm.engine.last_scheduled.scheduled if s.samples]
+            for row, s in enumerate(sampled):
+                rows.setdefault(s.request.request_id, []).append(captured[-1][row].log_softmax(-1))
+    finally:
+        llm.engine.model.compute_logits = compute
+    return tokens, rows
