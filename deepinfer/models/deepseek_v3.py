@@ -43,7 +43,7 @@ from deepinfer.distributed.tp import (
     vocab_range,
     vocab_shard,
 )
-from deepinfer.kernels import triton_enabled
+from deepinfer.kernels import cpu_kernels, triton_enabled
 from deepinfer.layers.batch_invariant import batch_invariant_enabled
 from deepinfer.layers.kv_quant import PagedPool, is_quantised, storage_dtype
 from deepinfer.layers.metadata import CacheTensorSpec, ForwardMeta
@@ -195,6 +195,16 @@ def decode_context(cache: PagedPool, batch: DecodeBatch) -> tuple[torch.Tensor, 
     return ctx.masked_fill(~batch.valid[..., None], 0), batch.valid
 
 
+def _cpu_kernel_serves(q: torch.Tensor, cache: PagedPool, batch: DecodeBatch) -> bool:
+    """Whether kernels/cpu's MLA decode takes this batch: CPU, kernels loaded, a block table with lengths,
+    no KV scales, no DSA selection (the gather below handles those), and few heads per rank: it reads each
+    context row once per group of 4 heads, ahead of gather + two GEMMs up to 8 heads and behind from 16
+    (measured, docs/performance.md)."""
+    return (q.device.type == "cpu" and q.shape[1] <= cpu_kernels.MLA_DECODE_MAX_HEADS and cpu_kernels.available()
+            and batch.block_table is not None and batch.seq_lens is not None and batch.attend is None
+            and cache.scale is None and q.dtype == cache.data.dtype)
+
+
 # ---------------------------------------------------------------- modules (names = HF checkpoint names)
 
 
@@ -336,6 +346,10 @@ class MLAttention(nn.Module):
 
             o_c = mla_decode(q, cache.data, cache.scale, batch.block_table, batch.seq_lens, self.latent, self.scale,
                              batch.attend, block_size=batch.block_size)
+            return torch.einsum("rhc,hvc->rhv", o_c, w_uv)
+        if _cpu_kernel_serves(q, cache, batch):  # CPU: one pass over the rows, no gathered copy
+            o_c = cpu_kernels.mla_decode(q, cache.data, batch.block_table, batch.seq_lens, batch.block_size,
+                                         self.latent, self.scale)
             return torch.einsum("rhc,hvc->rhv", o_c, w_uv)
         ctx, valid = decode_context(cache, batch)
         scores = torch.matmul(q, ctx.transpose(1, 2)) * self.scale
@@ -683,6 +697,8 @@ class DeepseekV3ForCausalLM(nn.Module):
         self._mtp_kv: list[PagedPool] = []
         self.kv_cache_dtype = "auto"  # storage of the latent pools: auto (model dtype) | fp8 | int8
         self.batch_invariant_kernels = True  # attention honours layers.batch_invariant
+        if torch.device(device).type == "cpu":  # its CPU decode's kernel: every process serving the model loads it
+            cpu_kernels.load()
 
     @property
     def cache_width(self) -> int:

@@ -17,6 +17,7 @@ from deepinfer.spec.base import ProposeBatch, ProposeItem, Proposer
 from deepinfer.worker.encoder_cache import EncoderCache
 from deepinfer.worker.rejection import verify_greedy, verify_random
 from deepinfer.worker.sampler import Sampler, SamplingBatch, compute_prompt_logprobs, make_generator
+from deepinfer.worker.threads import StepThreads
 
 logger = logging.getLogger("deepinfer")
 
@@ -90,6 +91,7 @@ class ModelRunner:
         self.cache = {s.name: self._allocate(s) for s in self.specs}
         model.bind_kv_cache(self.cache)
         self.sampler = Sampler()
+        self.threads = StepThreads() if device.type == "cpu" and not deterministic else None
         # a vision model's encoder outputs by image digest (image spans of prompts)
         self.encoder = EncoderCache(model.encode_image) if getattr(model, "vision", None) is not None else None
         # The plain forward, `model(meta)`; two-batch overlap swaps in distributed.overlap.TwoBatchForward.
@@ -105,6 +107,8 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
         meta, sample_rows, prompt_rows = self._prepare(out.scheduled)
+        if self.threads is not None:
+            self.threads.apply(meta.num_tokens)
         self._copy_state(out.restores)  # a prefix hit's bounded state, before it is read
         logits, draft_input = self._logits(meta, [row for _, row in sample_rows] + [row for _, _, row in prompt_rows])
         result = RunnerOutput()

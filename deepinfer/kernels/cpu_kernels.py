@@ -1,0 +1,80 @@
+"""C++ kernels for the CPU path, built on first use with torch's extension builder (a C++ compiler and ninja,
+cached under ~/.cache/deepinfer/extensions, or DEEPINFER_EXTENSIONS_DIR) and registered as torch ops, so compiled
+steps call them like aten ops.
+
+Dispatch rule: `available()` is True once `load()` built and loaded them; it never raises. Without a compiler,
+or with DEEPINFER_CPU_KERNELS=0, every caller keeps its torch path (the kernels' references). The models read
+`available()` while tracing, so load() runs before a step is compiled (CompiledSteps does it).
+
+Kernels (sources in kernels/cpu/):
+- mla_decode: MLA absorbed paged decode attention (the contract of kernels/mla_decode.py without KV scales or a
+  DSA selection), one pass over each request's context rows with an online softmax, no gathered copy. Used up to
+  MLA_DECODE_MAX_HEADS query heads per rank; with more, a head group's dots lose to the GEMMs of the torch path.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger("deepinfer")
+
+SOURCES = Path(__file__).parent / "cpu"
+DEFAULT_BUILD_DIR = Path("~/.cache/deepinfer/extensions").expanduser()
+MLA_DECODE_MAX_HEADS = 8  # query heads per rank up to which mla_decode beats gather + GEMMs (measured)
+_state: dict[str, bool] = {}
+
+
+def available() -> bool:
+    return _state.get("loaded", False)
+
+
+def load(progress: bool = True) -> bool:
+    """Build (first time only) and load the kernels; False, with the reason logged once, when they cannot be."""
+    if "loaded" in _state:
+        return _state["loaded"]
+    if os.environ.get("DEEPINFER_CPU_KERNELS", "1") == "0":
+        _state["loaded"] = False
+        return False
+    try:
+        _build(progress)
+        _state["loaded"] = True
+    except Exception as exc:  # no compiler, no ninja, a failed build: the torch paths serve
+        logger.warning("CPU kernels unavailable (%s: %s); using the torch paths", type(exc).__name__,
+                       str(exc).splitlines()[0] if str(exc) else "")
+        _state["loaded"] = False
+    return _state["loaded"]
+
+
+def _build(progress: bool) -> None:
+    from torch.utils import cpp_extension
+
+    build = Path(os.environ.get("DEEPINFER_EXTENSIONS_DIR", DEFAULT_BUILD_DIR)) / _tag()
+    build.mkdir(parents=True, exist_ok=True)
+    if progress and not any(build.glob("*.so")):
+        logger.info("building the CPU kernels (once per torch version, about a minute)")
+    cpp_extension.load(name="deepinfer_cpu_kernels", sources=[str(p) for p in sorted(SOURCES.glob("*.cpp"))],
+                       extra_cflags=["-O3", "-march=native", "-fopenmp-simd"], build_directory=str(build),
+                       is_python_module=False, verbose=False)
+    torch.library.register_fake("deepinfer_cpu::mla_decode", _mla_decode_fake)  # shapes for tracing
+
+
+def _tag() -> str:
+    """One build per torch version and source text (a changed kernel rebuilds)."""
+    import hashlib
+
+    digest = hashlib.sha256(b"".join(p.read_bytes() for p in sorted(SOURCES.glob("*.cpp")))).hexdigest()[:12]
+    return f"torch{torch.__version__.replace('+', '_')}-{digest}"
+
+
+def mla_decode(q: torch.Tensor, pool: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
+               block_size: int, latent: int, scale: float) -> torch.Tensor:
+    """o_c [R, H, latent] (kernels.mla_decode's contract; no scales, no selection). Requires available()."""
+    return torch.ops.deepinfer_cpu.mla_decode(q, pool, block_table, seq_lens, block_size, latent, scale)
+
+
+def _mla_decode_fake(q, pool, block_table, seq_lens, block_size, latent, scale):
+    return q.new_empty(q.shape[0], q.shape[1], latent)
