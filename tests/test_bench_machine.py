@@ -30,3 +30,12 @@ def test_peak_rss_of_children():
     code = "b = bytearray(48 * 2**20)"
     subprocess.run([sys.executable, "-c", code], check=True)
     assert peak_rss_bytes(children=True) > 48 * 2**20
+
+
+@pytest.mark.skipif(not Path("/proc/cpuinfo").exists(), reason="needs Linux /proc")
+def test_simd_flags_are_the_cpuinfo_flags_that_matter():
+    from deepinfer.bench.machine import SIMD_FLAGS, machine_facts, simd_flags
+
+    flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")).split()
+    assert simd_flags() == [f for f in SIMD_FLAGS if f in flags]
+    assert machine_facts()["cpu_simd"] == simd_flags()

@@ -51,3 +51,12 @@ def test_profile_categories_take_the_innermost_known_frame():
     assert samples["engine"] == {"forward": 30, "sampler": 5, "IPC": 2}
     assert samples["api"] == {"HTTP": 4, "detokenize": 1}
     assert server_profile.category(["main (x.py:1)"]) == "other"
+
+
+def test_a_deepinfer_variant_is_deepinfer_with_its_environment():
+    base = peers.Engine("deepinfer", "0.1.0", lambda *a: ["serve"])
+    variant = peers.deepinfer_variant("all-threads:DEEPINFER_SMALL_STEP_TOKENS=0,X=1", base)
+    assert (variant.name, variant.env) == ("all-threads", {"DEEPINFER_SMALL_STEP_TOKENS": "0", "X": "1"})
+    assert variant.command is base.command and "DEEPINFER_SMALL_STEP_TOKENS=0" in variant.version
+    with pytest.raises(SystemExit):
+        peers.deepinfer_variant("no-assignments", base)

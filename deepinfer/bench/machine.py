@@ -22,6 +22,18 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+SIMD_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
+
+
+def simd_flags() -> list[str]:
+    """The vector instruction sets of /proc/cpuinfo that decide CPU kernel speed (AVX2 vs AVX-512 / AMX machines
+    differ by more than these benchmarks measure); empty where there is no /proc/cpuinfo."""
+    cpuinfo = Path("/proc/cpuinfo")
+    lines = cpuinfo.read_text(errors="replace").splitlines() if cpuinfo.exists() else []
+    flags = set(next((line.split(":", 1)[1].split() for line in lines if line.startswith("flags")), []))
+    return [f for f in SIMD_FLAGS if f in flags]
+
+
 def machine_facts() -> dict:
     """CPU, cores, memory, accelerator and software versions, as a JSON-ready dict."""
     facts = {
@@ -32,6 +44,7 @@ def machine_facts() -> dict:
         "deepinfer": __version__,
         "python": platform.python_version(),
         "os": f"{platform.system()} {platform.release()}",
+        "cpu_simd": simd_flags(),
     }
     if hasattr(os, "sysconf") and "SC_PHYS_PAGES" in os.sysconf_names:
         facts["memory_gib"] = round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)
