@@ -28,6 +28,9 @@ from deepinfer.worker.cuda_graphs import fits_static_step, longest_position, sup
 logger = logging.getLogger("deepinfer")
 
 DEFAULT_CACHE_DIR = Path("~/.cache/deepinfer/inductor").expanduser()
+# Set at import, before anything reaches inductor's cache_dir(): its first call fixes the directory for the process
+# (it writes the variable itself), and building a model may get there first (the CPU kernels' build does).
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(DEFAULT_CACHE_DIR))
 
 
 class CompiledSteps:
@@ -42,7 +45,6 @@ class CompiledSteps:
         self.query_lens, self.with_streams = tuple(query_lens), with_streams
         self.max_blocks = -(-longest_position(model, max_model_len) // block_size)
         model.grow_rope(longest_position(model, max_model_len))  # the rope tables are indexed, never grown
-        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(DEFAULT_CACHE_DIR))
         self.fn = torch.compile(self._forward, dynamic=True, fullgraph=True)
         self.failed = False  # set when compiling failed at start-up: every step then runs eagerly
 
