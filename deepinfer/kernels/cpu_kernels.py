@@ -4,7 +4,8 @@ steps call them like aten ops.
 
 Dispatch rule: `available()` is True once `load()` built and loaded them; it never raises. Without a compiler,
 or with DEEPINFER_CPU_KERNELS=0, every caller keeps its torch path (the kernels' references). The models read
-`available()` while tracing, so load() runs before a step is compiled (CompiledSteps does it).
+`available()` while tracing, so load() runs before a step is compiled: a model that uses a kernel calls it when
+built on a CPU, so every process serving that model (ranks, the one-process reference) computes the same way.
 
 Kernels (sources in kernels/cpu/):
 - mla_decode: MLA absorbed paged decode attention (the contract of kernels/mla_decode.py without KV scales or a
@@ -55,7 +56,7 @@ def _build(progress: bool) -> None:
     build = Path(os.environ.get("DEEPINFER_EXTENSIONS_DIR", DEFAULT_BUILD_DIR)) / _tag()
     build.mkdir(parents=True, exist_ok=True)
     if progress and not any(build.glob("*.so")):
-        logger.info("building the CPU kernels (once per torch version, about a minute)")
+        logger.info("building the CPU kernels (once per torch version and CPU; under a minute)")
     cpp_extension.load(name="deepinfer_cpu_kernels", sources=[str(p) for p in sorted(SOURCES.glob("*.cpp"))],
                        extra_cflags=["-O3", "-march=native", "-fopenmp-simd"], build_directory=str(build),
                        is_python_module=False, verbose=False)
