@@ -13,24 +13,19 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from cpu_step_cost import best_ms  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
 LATENT, ROPE, PAGE, BLOCKS = 512, 64, 64, 512
 
 
-def best_us(fn, trials: int = 20, n: int = 10) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(trials):
-        start = time.perf_counter()
-        for _ in range(n):
-            fn()
-        best = min(best, (time.perf_counter() - start) / n)
-    return best * 1e6
+def best_us(fn) -> float:
+    return 1e3 * best_ms(fn, trials=20)
 
 
 def torch_path(q, pool, table, lens):

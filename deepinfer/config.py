@@ -439,14 +439,19 @@ def cpu_bf16_by_default() -> bool:
     return os.environ.get("DEEPINFER_CPU_BF16", "1") != "0" and cpu_has_native_bf16()
 
 
+def cpu_flags(cpuinfo: str = "/proc/cpuinfo") -> list[str]:
+    """The CPU's instruction-set flags from /proc/cpuinfo (Linux; empty where it is absent)."""
+    try:
+        text = Path(cpuinfo).read_text(errors="replace")
+    except OSError:
+        return []
+    return next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), [])
+
+
 @functools.cache
 def cpu_has_native_bf16(cpuinfo: str = "/proc/cpuinfo") -> bool:
     """AVX512-BF16 or AMX-BF16 among the CPU's flags (Linux; False where /proc/cpuinfo is absent)."""
-    try:
-        text = Path(cpuinfo).read_text()
-    except OSError:
-        return False
-    flags = next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), [])
+    flags = cpu_flags(cpuinfo)
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 

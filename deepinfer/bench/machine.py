@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from deepinfer import __version__
+from deepinfer.config import cpu_flags
 
 
 def cpu_model() -> str:
@@ -28,9 +29,7 @@ SIMD_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
 def simd_flags() -> list[str]:
     """The vector instruction sets of /proc/cpuinfo that decide CPU kernel speed (AVX2 vs AVX-512 / AMX machines
     differ by more than these benchmarks measure); empty where there is no /proc/cpuinfo."""
-    cpuinfo = Path("/proc/cpuinfo")
-    lines = cpuinfo.read_text(errors="replace").splitlines() if cpuinfo.exists() else []
-    flags = set(next((line.split(":", 1)[1].split() for line in lines if line.startswith("flags")), []))
+    flags = set(cpu_flags())
     return [f for f in SIMD_FLAGS if f in flags]
 
 

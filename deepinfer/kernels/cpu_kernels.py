@@ -68,15 +68,10 @@ def _tag() -> str:
     behind the same cache directory rebuilds."""
     import hashlib
 
-    key = b"".join(p.read_bytes() for p in sorted(SOURCES.glob("*.cpp"))) + _cpu_flags().encode()
+    from deepinfer.config import cpu_flags
+
+    key = b"".join(p.read_bytes() for p in sorted(SOURCES.glob("*.cpp"))) + " ".join(cpu_flags()).encode()
     return f"torch{torch.__version__.replace('+', '_')}-{hashlib.sha256(key).hexdigest()[:12]}"
-
-
-def _cpu_flags() -> str:
-    """The instruction-set flags of /proc/cpuinfo (empty elsewhere): what -march=native compiles for."""
-    info = Path("/proc/cpuinfo")
-    lines = info.read_text(errors="replace").splitlines() if info.exists() else []
-    return next((line for line in lines if line.startswith("flags")), "")
 
 
 def mla_decode(q: torch.Tensor, pool: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
