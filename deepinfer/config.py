@@ -603,6 +603,9 @@ class EngineArgs:
     # enforce_eager: never capture or compile; every step runs eagerly (default: DEEPINFER_ENFORCE_EAGER=1).
     enforce_eager: bool = field(default_factory=lambda: os.environ.get("DEEPINFER_ENFORCE_EAGER", "0") == "1")
     max_cuda_graph_batch_size: int = 256
+    # intra-op threads of a one-process CPU engine (worker/threads.py). 0: every core offline; every core but one
+    # when served (the API process streams tokens on the other). Ranks of a multi-rank engine split the cores.
+    cpu_threads: int = 0
     grammar_compile_timeout_s: float = 30.0  # a structured-output grammar that takes longer fails its request
     # budget-aware structured outputs: once the remaining max_tokens / context is within this many tokens of
     # what finishing the grammar needs, only closing tokens are allowed (docs/structured-outputs.md); -1: off
@@ -655,6 +658,8 @@ class EngineArgs:
             self._check_two_batch_overlap()
         if self.distributed_timeout_s <= 0:
             raise ValueError(f"distributed_timeout_s must be > 0, got {self.distributed_timeout_s}")
+        if self.cpu_threads < 0:
+            raise ValueError(f"cpu_threads must be >= 0 (0: auto), got {self.cpu_threads}")
         if self.grammar_compile_timeout_s <= 0:
             raise ValueError(f"grammar_compile_timeout_s must be > 0, got {self.grammar_compile_timeout_s}")
         if self.max_cuda_graph_batch_size < 1:

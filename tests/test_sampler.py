@@ -7,6 +7,7 @@ from deepinfer.worker.sampler import (
     SamplingBatch,
     compute_prompt_logprobs,
     make_generator,
+    plain_greedy,
 )
 
 EOS = 2
@@ -29,6 +30,27 @@ def test_greedy_is_argmax_and_input_untouched():
     out = sample(logits, [SamplingParams(temperature=0)] * 6)
     assert torch.equal(out.sampled, logits.argmax(-1)) and out.logprobs is None
     assert torch.equal(logits, before)
+
+
+@pytest.mark.parametrize("params, outputs, plain", [
+    (SamplingParams(temperature=0), 0, True),
+    (SamplingParams(temperature=0, min_tokens=3), 3, True),  # min_tokens met: nothing is suppressed
+    (SamplingParams(temperature=0, min_tokens=3), 2, False),
+    (SamplingParams(temperature=0, logprobs=0), 0, False),
+    (SamplingParams(temperature=0, repetition_penalty=1.1), 0, False),
+    (SamplingParams(temperature=0, frequency_penalty=0.5), 0, False),
+    (SamplingParams(temperature=0, presence_penalty=0.5), 0, False),
+    (SamplingParams(temperature=0.7), 0, False),
+])
+def test_plain_greedy_rows_are_those_the_sampler_only_argmaxes(params, outputs, plain):
+    """The runner skips the SamplingBatch for plain_greedy rows and takes the argmax: what the sampler picks."""
+    assert plain_greedy(params, outputs) is plain
+    logits = torch.zeros(1, 8)
+    logits[0, EOS], logits[0, 5] = 3.0, 2.9
+    out = sample(logits, [params], prompt_ids=[[EOS]], output_ids=[[EOS] * outputs],
+                 generators=[make_generator(0)])
+    if plain:
+        assert out.sampled.tolist() == [EOS]
 
 
 def test_top_k_one_is_greedy_even_with_temperature():

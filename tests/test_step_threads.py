@@ -1,8 +1,11 @@
 """worker/threads: one intra-op thread for steps of a few tokens, all of the engine's for larger ones."""
 
+import pytest
 import torch
 
-from deepinfer.worker.threads import StepThreads, step_threads
+from deepinfer.config import EngineArgs
+from deepinfer.engine import engine_proc
+from deepinfer.worker.threads import StepThreads, engine_threads, set_engine_threads, step_threads
 
 
 def test_policy():
@@ -24,3 +27,39 @@ def test_applies_only_changes_and_restores(monkeypatch):
 def test_env_sets_the_small_step_size(monkeypatch):
     monkeypatch.setenv("DEEPINFER_SMALL_STEP_TOKENS", "0")
     assert StepThreads(max_threads=2).small == 0
+
+
+def test_engine_threads_leave_a_core_to_the_api_process_when_served():
+    assert engine_threads(2, served=True) == 1
+    assert engine_threads(16, served=True) == 15
+    assert engine_threads(1, served=True) == 1  # never below one thread
+    assert engine_threads(16) == 16  # offline: every core
+    assert engine_threads(16, requested=4, served=True) == 4  # cpu_threads wins
+
+
+def test_set_engine_threads_touches_only_cpu_engines_that_ask(monkeypatch):
+    calls = []
+    monkeypatch.setattr(torch, "set_num_threads", calls.append)
+    monkeypatch.setattr("os.cpu_count", lambda: 8)
+    set_engine_threads(torch.device("cpu"))  # offline default: torch's own count stays
+    set_engine_threads(torch.device("cpu"), served=True)
+    set_engine_threads(torch.device("cpu"), requested=3)
+    set_engine_threads(torch.device("cuda"), requested=3, served=True)
+    assert calls == [7, 3]
+
+
+@pytest.mark.parametrize("kwargs, served", [({}, True), ({"deterministic": True}, False),
+                                            ({"tensor_parallel_size": 2}, False)])
+def test_served_engine_process_sets_its_threads(monkeypatch, kwargs, served):
+    """The engine process of `deepinfer serve` applies the served policy before building a one-process engine
+    (not in deterministic mode: served and offline outputs must agree; ranks split the cores themselves)."""
+    seen = []
+    monkeypatch.setattr(engine_proc, "set_engine_threads", lambda device, requested, served: seen.append(served))
+    monkeypatch.setattr(engine_proc, "build_engine", lambda path, args: args)
+    args = engine_proc.build_core(None, {"cpu_threads": 0, **kwargs})
+    assert seen == ([True] if served else []) and args.cpu_threads == 0
+
+
+def test_cpu_threads_is_validated():
+    with pytest.raises(ValueError, match="cpu_threads"):
+        EngineArgs(cpu_threads=-1)

@@ -30,6 +30,7 @@ from deepinfer.spec import build_proposer
 from deepinfer.worker.compiled_step import build_compiled, use_compiled_steps
 from deepinfer.worker.cuda_graphs import build_graphs, longest_position, use_cuda_graphs
 from deepinfer.worker.model_runner import CacheLayout, ModelRunner, available_memory_bytes, plan_cache
+from deepinfer.worker.threads import set_engine_threads
 
 logger = logging.getLogger("deepinfer")
 KEEP_QUANTIZED_ENV = "DEEPINFER_KEEP_QUANTIZED"  # "auto" (default: on CUDA), "1" (on any device), "0" (never)
@@ -195,6 +196,7 @@ class EngineCore:
 
     def _local_runner(self, model: str | Path) -> ModelRunner:
         args = self.args
+        set_engine_threads(self.device, args.cpu_threads)
         torch.manual_seed(args.seed)
         self.model = load_model(model, self.model_config, self.dtype, self.device, args.load_progress)
         prepare_model(self.model, args)

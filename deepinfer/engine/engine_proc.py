@@ -23,6 +23,7 @@ import time
 from dataclasses import dataclass
 
 import msgspec
+import torch
 import zmq
 
 from deepinfer.config import EngineArgs
@@ -51,6 +52,7 @@ from deepinfer.llm import resolve_model
 from deepinfer.logger import setup_logging
 from deepinfer.request import Request, RequestStatus
 from deepinfer.sampling_params import SamplingParams
+from deepinfer.worker.threads import set_engine_threads
 
 logger = logging.getLogger("deepinfer")
 
@@ -361,7 +363,10 @@ class _Server:
 
 def build_core(model_path: str | None, engine_kwargs: dict) -> EngineCore:
     path, _ = resolve_model(model_path)
-    return build_engine(path, EngineArgs.from_kwargs(**engine_kwargs))
+    args = EngineArgs.from_kwargs(**engine_kwargs)
+    if args.parallel.world_size == 1 and not args.deterministic:  # ranks set their own; see worker/threads.py
+        set_engine_threads(torch.device(args.device), args.cpu_threads, served=True)
+    return build_engine(path, args)
 
 
 def run_engine(model_path: str | None, engine_kwargs: dict, input_addr: str, output_addr: str,

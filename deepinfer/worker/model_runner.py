@@ -16,7 +16,14 @@ from deepinfer.layers.metadata import CacheTensorSpec, ForwardMeta, sub_meta
 from deepinfer.spec.base import ProposeBatch, ProposeItem, Proposer
 from deepinfer.worker.encoder_cache import EncoderCache
 from deepinfer.worker.rejection import verify_greedy, verify_random
-from deepinfer.worker.sampler import Sampler, SamplingBatch, compute_prompt_logprobs, make_generator
+from deepinfer.worker.sampler import (
+    Sampler,
+    SamplerOutput,
+    SamplingBatch,
+    compute_prompt_logprobs,
+    make_generator,
+    plain_greedy,
+)
 from deepinfer.worker.threads import StepThreads
 
 logger = logging.getLogger("deepinfer")
@@ -265,6 +272,9 @@ class ModelRunner:
 
     def _sample_rows(self, requests, logits: torch.Tensor, outputs, generators, result: RunnerOutput,
                      grammar: tuple[list[str], torch.Tensor] | None = None) -> None:
+        if grammar is None and all(plain_greedy(r.params, len(out)) for r, out in zip(requests, outputs)):
+            self._record(requests, SamplerOutput(logits.argmax(dim=-1)), result)  # what the sampler would pick
+            return
         batch = SamplingBatch.build([r.params for r in requests], [r.prompt_token_ids for r in requests], outputs,
                                     generators, self.eos_token_ids, self.vocab_size, self.device)
         if grammar is not None:

@@ -174,6 +174,13 @@ def _suppressed_pairs(params, output_ids, eos_token_ids, vocab_size, device):
     return as_long(rows), as_long(tokens)
 
 
+def plain_greedy(params: SamplingParams, num_outputs: int) -> bool:
+    """Whether the sampler would only take a row's argmax: greedy, no penalties, no logprobs and min_tokens met
+    (a batch of such rows without a grammar needs no SamplingBatch: its tokens are logits.argmax(-1))."""
+    return (params.is_greedy and params.logprobs is None and num_outputs >= params.min_tokens
+            and params.repetition_penalty == 1.0 and params.frequency_penalty == 0 and params.presence_penalty == 0)
+
+
 # ---------------------------------------------------------------------------------------- processing
 
 

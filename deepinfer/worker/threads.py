@@ -1,9 +1,18 @@
-"""Intra-op threads per step on CPU. A step of a few tokens is a few hundred microseconds of small kernels: every
-parallel region's fork and join (and, under load, waiting for a core the API process or a tokenizer thread holds)
-costs more than a second thread saves, so such steps run on one thread and larger steps on all of the engine's.
+"""Intra-op threads on CPU: how many the engine uses, and how many each step uses.
 
-Policy (`step_threads`) is a pure function; `StepThreads` applies it, calling torch.set_num_threads only when the
-count changes. Not used in deterministic mode (a GEMM's rounding may depend on its thread count) or on CUDA.
+The engine's count (`engine_threads`): every core for the offline API; every core but one for a served engine.
+Its API process (and, on one machine, the load generator) parses and streams every token on a core of its own;
+an intra-op parallel region whose second thread waits for that core stalls every step. Measured on 2 cores
+(benchmarks/results/engine_threads): one engine thread served 1.2-1.6x the output tokens/s of two at
+concurrency 16 and 64, while a step replayed alone was within 10% on one thread or two.
+
+A step's count (`step_threads`): a step of a few tokens is a few hundred microseconds of small kernels; every
+parallel region's fork and join costs more than a second thread saves, so such steps run on one thread and larger
+steps on all of the engine's.
+
+Policies are pure functions; `StepThreads` applies the step policy, calling torch.set_num_threads only when the
+count changes. Neither changes threads in deterministic mode (a GEMM's rounding may depend on its thread count: a
+served and an offline engine must agree) or on CUDA; an explicit `cpu_threads` always applies.
 """
 
 from __future__ import annotations
@@ -13,6 +22,19 @@ import os
 import torch
 
 SMALL_STEP_TOKENS = 2  # steps of at most this many tokens run on one thread (DEEPINFER_SMALL_STEP_TOKENS; 0: off)
+
+
+def engine_threads(cores: int, requested: int = 0, served: bool = False) -> int:
+    """`requested` when set (> 0); else every core, less one for the API process when served (at least one)."""
+    if requested > 0:
+        return requested
+    return max(1, cores - 1) if served else max(1, cores)
+
+
+def set_engine_threads(device: torch.device, requested: int = 0, served: bool = False) -> None:
+    """Apply engine_threads on a CPU engine; the offline API's default (every core, torch's own) is left alone."""
+    if device.type == "cpu" and (requested > 0 or served):
+        torch.set_num_threads(engine_threads(os.cpu_count() or 1, requested, served))
 
 
 def step_threads(num_tokens: int, max_threads: int, small_step_tokens: int = SMALL_STEP_TOKENS) -> int:
