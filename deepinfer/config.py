@@ -605,7 +605,8 @@ class EngineArgs:
     max_cuda_graph_batch_size: int = 256
     # intra-op threads of a one-process CPU engine (worker/threads.py). 0: every core offline; every core but one
     # when served (the API process streams tokens on the other). Ranks of a multi-rank engine split the cores.
-    cpu_threads: int = 0
+    # Default: DEEPINFER_CPU_THREADS, else 0.
+    cpu_threads: int = field(default_factory=lambda: int(os.environ.get("DEEPINFER_CPU_THREADS", "0")))
     grammar_compile_timeout_s: float = 30.0  # a structured-output grammar that takes longer fails its request
     # budget-aware structured outputs: once the remaining max_tokens / context is within this many tokens of
     # what finishing the grammar needs, only closing tokens are allowed (docs/structured-outputs.md); -1: off

@@ -63,3 +63,10 @@ def test_served_engine_process_sets_its_threads(monkeypatch, kwargs, served):
 def test_cpu_threads_is_validated():
     with pytest.raises(ValueError, match="cpu_threads"):
         EngineArgs(cpu_threads=-1)
+
+
+def test_cpu_threads_default_comes_from_the_environment(monkeypatch):
+    monkeypatch.setenv("DEEPINFER_CPU_THREADS", "3")
+    assert EngineArgs().cpu_threads == 3
+    monkeypatch.delenv("DEEPINFER_CPU_THREADS")
+    assert EngineArgs().cpu_threads == 0
