@@ -104,6 +104,7 @@ def main() -> None:
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 16])
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--out", type=Path, default=RESULTS, help="folder for compiled_step.json / .png")
     parser.add_argument("--child", nargs=2, metavar=("MODE", "DTYPE"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -118,11 +119,11 @@ def main() -> None:
         for mode, dtype in tqdm(CONFIGS, desc="configurations", leave=False):
             runs[f"{mode}/{dtype}"].append(run_config(mode, dtype, args))
     table = summarise(runs, args.batches)
-    RESULTS.mkdir(exist_ok=True)
+    args.out.mkdir(parents=True, exist_ok=True)
     result = {"machine": machine_facts(), "max_tokens": args.max_tokens, "repeats": args.repeats,
               "threads": os.environ.get("OMP_NUM_THREADS"), "results": table}
-    (RESULTS / "compiled_step.json").write_text(json.dumps(result, indent=2) + "\n")
-    plot(table, args.batches, RESULTS / "compiled_step.png")
+    (args.out / "compiled_step.json").write_text(json.dumps(result, indent=2) + "\n")
+    plot(table, args.batches, args.out / "compiled_step.png")
     print(json.dumps(table, indent=2))
 
 

@@ -102,6 +102,7 @@ def main() -> None:
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
     ap.add_argument("--quick", action="store_true", help="one round, batches 1 and 8, 24 tokens")
     ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
+    ap.add_argument("--out", type=Path, default=RESULTS, help="folder for speculative.json / .png")
     args = ap.parse_args()
     methods = ["none"] + [m for m in args.methods if m != "none"]
     if args.quick:
@@ -128,9 +129,9 @@ def main() -> None:
             summary[name]["speedup_rounds"] = ratios
             summary[name]["speedup"] = statistics.median(ratios)
         result["batches"][batch] = summary
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "speculative.json").write_text(json.dumps(result, indent=2))
-    plot(result, RESULTS / "speculative.png")
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "speculative.json").write_text(json.dumps(result, indent=2))
+    plot(result, args.out / "speculative.png")
     for batch, summary in result["batches"].items():
         for name, s in summary.items():
             print(f"batch {batch:>2} {name:<18} {s['tok_per_s']:8.1f} tok/s  TPOT {s['tpot_ms']:6.2f} ms  "
