@@ -5,7 +5,6 @@ import torch
 
 from deepinfer.config import EngineArgs
 from deepinfer.engine import engine_proc
-from deepinfer.worker import threads
 from deepinfer.worker.threads import StepThreads, engine_threads, set_engine_threads, step_threads
 
 
@@ -13,22 +12,6 @@ def test_policy():
     assert [step_threads(n, 4, 2) for n in (1, 2, 3, 64)] == [1, 1, 4, 4]
     assert step_threads(1, 4, 0) == 4  # 0 turns it off
     assert step_threads(100, 0, 2) == 1  # never below one thread
-
-
-def test_large_steps_take_every_core_only_when_asked():
-    assert [step_threads(n, 1, 2, 128, 2) for n in (1, 16, 128, 129, 2048)] == [1, 1, 1, 2, 2]
-    assert step_threads(2048, 1, 2, 128, None) == 1  # no large-step count: the engine's
-    assert step_threads(2048, 1, 2, 0, 2) == 1  # 0 turns the tier off
-
-
-def test_served_auto_threads_give_large_steps_every_core(monkeypatch):
-    monkeypatch.setattr(torch, "set_num_threads", lambda n: None)
-    monkeypatch.setattr("os.cpu_count", lambda: 4)
-    monkeypatch.setattr(threads, "_large_step_threads", None)
-    set_engine_threads(torch.device("cpu"), served=True)
-    assert StepThreads(max_threads=3).large_threads == 4
-    set_engine_threads(torch.device("cpu"), requested=2, served=True)  # an explicit count holds for every step
-    assert StepThreads(max_threads=2).large_threads is None
 
 
 def test_applies_only_changes_and_restores(monkeypatch):
@@ -41,10 +24,9 @@ def test_applies_only_changes_and_restores(monkeypatch):
     assert calls == [1, 2, 1]
 
 
-def test_env_sets_the_step_sizes(monkeypatch):
+def test_env_sets_the_small_step_size(monkeypatch):
     monkeypatch.setenv("DEEPINFER_SMALL_STEP_TOKENS", "0")
-    monkeypatch.setenv("DEEPINFER_LARGE_STEP_TOKENS", "0")
-    assert StepThreads(max_threads=2).small == 0 and StepThreads(max_threads=2).large == 0
+    assert StepThreads(max_threads=2).small == 0
 
 
 def test_engine_threads_leave_a_core_to_the_api_process_when_served():
@@ -59,7 +41,6 @@ def test_set_engine_threads_touches_only_cpu_engines_that_ask(monkeypatch):
     calls = []
     monkeypatch.setattr(torch, "set_num_threads", calls.append)
     monkeypatch.setattr("os.cpu_count", lambda: 8)
-    monkeypatch.setattr(threads, "_large_step_threads", None)  # restored after: other tests' runners read it
     set_engine_threads(torch.device("cpu"))  # offline default: torch's own count stays
     set_engine_threads(torch.device("cpu"), served=True)
     set_engine_threads(torch.device("cpu"), requested=3)

@@ -5,18 +5,15 @@ Its API process (and, on one machine, the load generator) parses and streams eve
 an intra-op parallel region whose second thread waits for that core stalls every step. Measured on 2 cores
 (benchmarks/peers.py against its `all-cores` variant, docs/performance.md): one engine thread served 1.4-1.6x the
 output tokens/s of two at concurrency 16 and 64 on V3 checkpoints, while a step replayed alone was within about 10%
-on one thread or two.
+on one thread or two; the bundled V4 model lost 6-8% (its prompt steps still gain from a second thread).
 
-A step's count (`step_threads`):
-- a step of a few tokens is a few hundred microseconds of small kernels; every parallel region's fork and join
-  costs more than a second thread saves, so such steps run on one thread;
-- a served engine's large steps (prompt chunks of more than LARGE_STEP_TOKENS tokens) run on every core: their
-  kernels are long enough for the reserved core to pay, and the bundled V4 model's prompts were slower without it;
-- other steps run on the engine's count.
+A step's count (`step_threads`): a step of a few tokens is a few hundred microseconds of small kernels; every
+parallel region's fork and join costs more than a second thread saves, so such steps run on one thread and larger
+steps on all of the engine's.
 
 Policies are pure functions; `StepThreads` applies the step policy, calling torch.set_num_threads only when the
 count changes. Neither changes threads in deterministic mode (a GEMM's rounding may depend on its thread count: a
-served and an offline engine must agree) or on CUDA; an explicit `cpu_threads` always applies, to every step.
+served and an offline engine must agree) or on CUDA; an explicit `cpu_threads` always applies.
 """
 
 from __future__ import annotations
@@ -26,11 +23,6 @@ import os
 import torch
 
 SMALL_STEP_TOKENS = 2  # steps of at most this many tokens run on one thread (DEEPINFER_SMALL_STEP_TOKENS; 0: off)
-LARGE_STEP_TOKENS = 128  # served: larger steps run on every core (DEEPINFER_LARGE_STEP_TOKENS; 0: off)
-
-# Process-wide, as torch's thread count is: the count for large steps, set when a served engine's threads are
-# chosen automatically (None: large steps use the engine's count).
-_large_step_threads: int | None = None
 
 
 def engine_threads(cores: int, requested: int = 0, served: bool = False) -> int:
@@ -41,41 +33,25 @@ def engine_threads(cores: int, requested: int = 0, served: bool = False) -> int:
 
 
 def set_engine_threads(device: torch.device, requested: int = 0, served: bool = False) -> None:
-    """Apply engine_threads on a CPU engine; the offline API's default (every core, torch's own) is left alone.
-    A served engine with the automatic count gives its large steps every core."""
-    global _large_step_threads
+    """Apply engine_threads on a CPU engine; the offline API's default (every core, torch's own) is left alone."""
     if device.type == "cpu" and (requested > 0 or served):
-        cores = os.cpu_count() or 1
-        torch.set_num_threads(engine_threads(cores, requested, served))
-        _large_step_threads = cores if served and requested == 0 else None
+        torch.set_num_threads(engine_threads(os.cpu_count() or 1, requested, served))
 
 
-def step_threads(num_tokens: int, max_threads: int, small_step_tokens: int = SMALL_STEP_TOKENS,
-                 large_step_tokens: int = 0, large_threads: int | None = None) -> int:
-    """One thread up to small_step_tokens tokens; large_threads above large_step_tokens (when both are set);
-    max_threads otherwise."""
-    if num_tokens <= small_step_tokens:
-        return 1
-    if large_threads and large_step_tokens and num_tokens > large_step_tokens:
-        return large_threads
-    return max(1, max_threads)
+def step_threads(num_tokens: int, max_threads: int, small_step_tokens: int = SMALL_STEP_TOKENS) -> int:
+    """One thread for steps of at most small_step_tokens tokens, max_threads otherwise."""
+    return 1 if num_tokens <= small_step_tokens else max(1, max_threads)
 
 
 class StepThreads:
-    def __init__(self, max_threads: int | None = None, small_step_tokens: int | None = None,
-                 large_step_tokens: int | None = None, large_threads: int | None = None):
+    def __init__(self, max_threads: int | None = None, small_step_tokens: int | None = None):
         self.max_threads = max_threads or torch.get_num_threads()
-        self.small = small_step_tokens if small_step_tokens is not None else _env("SMALL", SMALL_STEP_TOKENS)
-        self.large = large_step_tokens if large_step_tokens is not None else _env("LARGE", LARGE_STEP_TOKENS)
-        self.large_threads = large_threads if large_threads is not None else _large_step_threads
+        env = os.environ.get("DEEPINFER_SMALL_STEP_TOKENS")
+        self.small = small_step_tokens if small_step_tokens is not None else int(env or SMALL_STEP_TOKENS)
         self.current = torch.get_num_threads()
 
     def apply(self, num_tokens: int) -> None:
-        want = step_threads(num_tokens, self.max_threads, self.small, self.large, self.large_threads)
+        want = step_threads(num_tokens, self.max_threads, self.small)
         if want != self.current:
             torch.set_num_threads(want)
             self.current = want
-
-
-def _env(kind: str, default: int) -> int:
-    return int(os.environ.get(f"DEEPINFER_{kind}_STEP_TOKENS") or default)
