@@ -103,3 +103,35 @@ def test_compiled_steps_are_declined_where_they_do_not_apply():
         assert not use_compiled_steps(model, EngineArgs(**{"enforce_eager": False, **off}), cpu), off
     assert not use_compiled_steps(torch.nn.Linear(2, 2), EngineArgs(enforce_eager=False), cpu)
     assert compiled_step.DEFAULT_CACHE_DIR.name == "inductor"
+
+
+def test_warm_keys_cover_every_graph_at_every_thread_count():
+    from deepinfer.worker.threads import StepThreads
+
+    steps = object.__new__(compiled_step.CompiledSteps)  # only the fields warm_keys reads (nothing compiled)
+    steps.query_lens, steps.max_batch = (1, 4), 8
+    steps.threads = StepThreads(max_threads=2, small_step_tokens=2)
+    assert steps.warm_keys() == [(1, 1, 1), (1, 1, 2), (2, 1, 1), (2, 1, 2), (1, 4, 1), (1, 4, 2), (2, 4, 1),
+                                 (2, 4, 2)]
+    steps.threads, steps.max_batch = StepThreads(max_threads=1, small_step_tokens=2), 1  # served on 2 cores
+    assert steps.warm_keys() == [(1, 1, 1), (1, 4, 1)]
+    steps.threads = None
+    assert steps.warm_keys() == [(1, 1, None), (1, 4, None)]
+
+
+@pytest.mark.slow
+def test_no_graph_is_compiled_after_start_up(v4):
+    """Steps run at several intra-op thread counts (worker/threads.py: one thread for a lone decode, all of them
+    beside a prompt chunk) and torch.compile guards on the count: start-up compiles each graph at each count, so a
+    first step of one request, of two, of three, and a step mixing decodes with a prompt chunk compile nothing
+    (before, a first single-request generate recompiled for tens of seconds)."""
+    from torch._dynamo.utils import counters
+
+    llm = LLM(str(v4), enforce_eager=False, **{**OPTIONS, "max_num_seqs": 4, "max_num_batched_tokens": 16})
+    assert llm.engine.runner.graphs.warm_keys() == [(b, 1, t) for b in (1, 2) for t in
+                                                    llm.engine.runner.threads.counts()]
+    compiled = counters["stats"]["unique_graphs"]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    for n in (1, 2, 3):
+        llm.generate([{"prompt_token_ids": p} for p in _prompts(n)], params, use_tqdm=False)
+    assert counters["stats"]["unique_graphs"] == compiled

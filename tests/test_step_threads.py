@@ -70,3 +70,9 @@ def test_cpu_threads_default_comes_from_the_environment(monkeypatch):
     assert EngineArgs().cpu_threads == 3
     monkeypatch.delenv("DEEPINFER_CPU_THREADS")
     assert EngineArgs().cpu_threads == 0
+
+
+def test_counts_are_every_count_a_step_may_use():
+    assert StepThreads(max_threads=4, small_step_tokens=2).counts() == [1, 4]
+    assert StepThreads(max_threads=1, small_step_tokens=2).counts() == [1]
+    assert StepThreads(max_threads=4, small_step_tokens=0).counts() == [4]

@@ -6,7 +6,8 @@ CUDA graphs (cuda_graphs.py) replay fixed buffers, so each step is padded to a c
 full block-table width. A compiled function takes the step's own tensors instead, with the batch dimension
 and the block-table width dynamic, so nothing is padded except a one-column table to two (the compiler
 specialises sizes 0 and 1; a width of 1 would be one more graph). Per query length two graphs are compiled
-at start-up (`capture_all`): one request, the latency case the compiler specialises, and any larger batch.
+at start-up (`capture_all`): one request, the latency case the compiler specialises, and any larger batch, each
+once per intra-op thread count the runner's thread policy uses (torch.compile guards on the thread count).
 Inductor caches what it compiles on disk (DEFAULT_CACHE_DIR unless TORCHINDUCTOR_CACHE_DIR is set), so a
 restart with the same model and versions compiles nothing (dynamo still traces the model: seconds, not
 minutes). A model the compiler cannot take (an error while compiling at start-up) is logged and run eagerly.
@@ -24,6 +25,7 @@ from tqdm import tqdm
 
 from deepinfer.layers.static_step import StaticStep
 from deepinfer.worker.cuda_graphs import fits_static_step, longest_position, supports_graphs
+from deepinfer.worker.threads import StepThreads
 
 logger = logging.getLogger("deepinfer")
 
@@ -39,8 +41,9 @@ class CompiledSteps:
 
     def __init__(self, model: torch.nn.Module, max_model_len: int, block_size: int, scratch_block: int,
                  scratch_slot: int, device: torch.device, max_batch: int, query_lens: Sequence[int] = (1,),
-                 with_streams: bool = False):
-        self.model, self.block_size, self.device = model, block_size, device
+                 with_streams: bool = False, threads: StepThreads | None = None):
+        """threads: the runner's per-step thread policy, applied while compiling (see capture_all)."""
+        self.model, self.block_size, self.device, self.threads = model, block_size, device, threads
         self.scratch_block, self.scratch_slot, self.max_batch = scratch_block, scratch_slot, max_batch
         self.query_lens, self.with_streams = tuple(query_lens), with_streams
         self.max_blocks = -(-longest_position(model, max_model_len) // block_size)
@@ -74,12 +77,21 @@ class CompiledSteps:
         torch._dynamo.mark_dynamic(table, 1)
         return self.fn(*tensors, step.tokens_per_req)
 
+    def warm_keys(self) -> list[tuple[int, int, int | None]]:
+        """(batch, q, threads) of one warm-up step per graph steps will run: one request and any larger batch per
+        query length, under every intra-op thread count of the thread policy (torch.compile guards on the count,
+        and a step runs at any of them: a decode alone on one thread, decodes beside a prompt chunk on all). A
+        step at a count not compiled for would recompile, for seconds, while serving."""
+        counts = self.threads.counts() if self.threads is not None else [None]
+        return [(b, q, t) for q in self.query_lens for b in (1, 2) if b <= self.max_batch for t in counts]
+
     @torch.inference_mode()  # the warm-up's tensors are inference tensors, as a step's are (a guard too)
     def capture_all(self, progress: bool = True) -> None:
-        """Compile every graph now (start-up): one request and two, per query length, on padding rows."""
-        keys = [(b, q) for q in self.query_lens for b in (1, 2) if b <= self.max_batch]
+        """Compile every graph now (start-up), on padding rows: `warm_keys`, each under its thread count."""
         try:
-            for batch, q in tqdm(keys, desc="Compiling decode steps", disable=not progress):
+            for batch, q, threads in tqdm(self.warm_keys(), desc="Compiling decode steps", disable=not progress):
+                if threads is not None:
+                    self.threads.set(threads)
                 self._call(StaticStep.empty(batch, q, 2, self.block_size, self.scratch_slot, self.scratch_block,
                                             self.device))
         except Exception as exc:  # the compiler's errors have no common base class
@@ -104,4 +116,5 @@ def build_compiled(runner, args, max_model_len: int) -> CompiledSteps:
     kind = runner.proposer.hidden_kind if runner.proposer is not None else ""
     layout = runner.layout
     return CompiledSteps(runner.model, max_model_len, layout.block_size, layout.num_blocks, layout.state_rows,
-                         runner.device, args.max_num_seqs, query_lens, with_streams=kind == "mtp")
+                         runner.device, args.max_num_seqs, query_lens, with_streams=kind == "mtp",
+                         threads=runner.threads)

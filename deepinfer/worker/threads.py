@@ -50,8 +50,14 @@ class StepThreads:
         self.small = small_step_tokens if small_step_tokens is not None else int(env or SMALL_STEP_TOKENS)
         self.current = torch.get_num_threads()
 
+    def counts(self) -> list[int]:
+        """Every thread count a step may run on (a compiled step is compiled once per count: see compiled_step)."""
+        return sorted({step_threads(tokens, self.max_threads, self.small) for tokens in (1, self.small + 1)})
+
     def apply(self, num_tokens: int) -> None:
-        want = step_threads(num_tokens, self.max_threads, self.small)
-        if want != self.current:
-            torch.set_num_threads(want)
-            self.current = want
+        self.set(step_threads(num_tokens, self.max_threads, self.small))
+
+    def set(self, threads: int) -> None:
+        if threads != self.current:
+            torch.set_num_threads(threads)
+            self.current = threads
