@@ -112,13 +112,16 @@ def deepinfer_tokens_per_s(llm: LLM, batch: int, prompt_len: int, new: int) -> f
 
 
 class ForwardTimer:
-    """Accumulates wall time inside the model forward + logits, to split step time."""
+    """Accumulates wall time inside the model forward + logits, to split step time: the eager forward, the
+    compiled step's (runner.graphs, which calls forward_static, not forward) and the logits projection."""
 
-    def __init__(self, model):
+    def __init__(self, engine):
         self.seconds = 0.0
-        self._forward, self._logits = model.forward, model.compute_logits
-        model.forward = self._timed(self._forward)
-        model.compute_logits = self._timed(self._logits)
+        model, graphs = engine.model, engine.runner.graphs
+        model.forward = self._timed(model.forward)
+        model.compute_logits = self._timed(model.compute_logits)
+        if graphs is not None:
+            graphs.run = self._timed(graphs.run)
 
     def _timed(self, fn):
         def run(*args):
@@ -139,7 +142,7 @@ def decode_profile(llm: LLM, batch: int, prompt_len: int, steps: int) -> dict:
         engine.step()
     for _ in range(3):
         engine.step()
-    timer = ForwardTimer(engine.model)
+    timer = ForwardTimer(engine)
     start = time.perf_counter()
     for _ in range(steps):
         engine.step()

@@ -4,9 +4,9 @@ Each engine serves the checkpoint as an OpenAI server on loopback; `deepinfer be
 load to each: 128 random prompt tokens (the same token ids for every engine), 64 output tokens, greedy,
 EOS ignored, streamed, at concurrency 1, 16 and 64 (max(8, 2 x concurrency) requests, at most 64). The
 engines alternate: every round runs each engine once per concurrency, the engine order reversed each round,
-and the summary takes the median over rounds. Every engine gets the machine's cores (llama-server `-t` /
-`-tb`, torch's default in deepinfer's engine process) and float32 weights (`--dtype`; llama.cpp's GGUF files
-are f32).
+and the summary takes the median over rounds. Every engine gets the machine's cores with its own defaults
+(llama-server `-t` / `-tb` all cores; deepinfer's served engine every core but one, its API process the other)
+and float32 weights (`--dtype`; llama.cpp's GGUF files are f32; v4-hd512's routed experts are MXFP4 for both).
 
 Checkpoints (random weights, the bundled 8192-token tokenizer):
 - `tiny-v3`: DeepSeek-V3, hidden 64, a 32 + 8 latent (1.2 M parameters);

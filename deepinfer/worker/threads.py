@@ -3,9 +3,12 @@
 The engine's count (`engine_threads`): every core for the offline API; every core but one for a served engine.
 Its API process (and, on one machine, the load generator) parses and streams every token on a core of its own;
 an intra-op parallel region whose second thread waits for that core stalls every step. Measured on 2 cores
-(benchmarks/peers.py against its `all-cores` variant, docs/performance.md): one engine thread served 1.4-1.6x the
+(benchmarks/peers.py against its `all-cores` variant, docs/performance.md): one engine thread served 1.2-1.8x the
 output tokens/s of two at concurrency 16 and 64 on V3 checkpoints, while a step replayed alone was within about 10%
-on one thread or two; the bundled V4 model lost 6-8% (its prompt steps still gain from a second thread).
+on one thread or two; V4 checkpoints, whose prompt steps still gain from a second thread, served 0.62-1.02x.
+torch.compile guards on the thread count: a compiled step called at a count it was not compiled for recompiles
+(seconds) while every request waits, so compiled steps are compiled at start-up under every count of
+`StepThreads.counts` (compiled_step.CompiledSteps.warm_keys), and no other count is ever set mid-serving.
 
 A step's count (`step_threads`): a step of a few tokens is a few hundred microseconds of small kernels; every
 parallel region's fork and join costs more than a second thread saves, so such steps run on one thread and larger
