@@ -111,8 +111,7 @@ def test_warm_keys_cover_every_graph_at_every_thread_count():
     steps = object.__new__(compiled_step.CompiledSteps)  # only the fields warm_keys reads (nothing compiled)
     steps.query_lens, steps.max_batch = (1, 4), 8
     steps.threads = StepThreads(max_threads=2, small_step_tokens=2)
-    assert steps.warm_keys() == [(1, 1, 1), (1, 1, 2), (2, 1, 1), (2, 1, 2), (1, 4, 1), (1, 4, 2), (2, 4, 1),
-                                 (2, 4, 2)]
+    assert steps.warm_keys() == [(1, 1, 1), (1, 1, 2), (2, 1, 1), (2, 1, 2), (1, 4, 2), (2, 4, 2)]  # 4 tokens: all
     steps.threads, steps.max_batch = StepThreads(max_threads=1, small_step_tokens=2), 1  # served on 2 cores
     assert steps.warm_keys() == [(1, 1, 1), (1, 4, 1)]
     steps.threads = None
@@ -128,8 +127,8 @@ def test_no_graph_is_compiled_after_start_up(v4):
     from torch._dynamo.utils import counters
 
     llm = LLM(str(v4), enforce_eager=False, **{**OPTIONS, "max_num_seqs": 4, "max_num_batched_tokens": 16})
-    assert llm.engine.runner.graphs.warm_keys() == [(b, 1, t) for b in (1, 2) for t in
-                                                    llm.engine.runner.threads.counts()]
+    threads = llm.engine.runner.threads
+    assert llm.engine.runner.graphs.warm_keys() == [(b, 1, t) for b in (1, 2) for t in threads.counts(b)]
     compiled = counters["stats"]["unique_graphs"]
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     for n in (1, 2, 3):

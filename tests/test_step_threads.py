@@ -72,7 +72,9 @@ def test_cpu_threads_default_comes_from_the_environment(monkeypatch):
     assert EngineArgs().cpu_threads == 0
 
 
-def test_counts_are_every_count_a_step_may_use():
-    assert StepThreads(max_threads=4, small_step_tokens=2).counts() == [1, 4]
-    assert StepThreads(max_threads=1, small_step_tokens=2).counts() == [1]
-    assert StepThreads(max_threads=4, small_step_tokens=0).counts() == [4]
+def test_counts_are_every_count_a_compiled_part_may_run_on():
+    """Its own step's count, and all of the engine's beside a prompt chunk."""
+    assert StepThreads(max_threads=4, small_step_tokens=2).counts(1) == [1, 4]
+    assert StepThreads(max_threads=4, small_step_tokens=2).counts(4) == [4]
+    assert StepThreads(max_threads=1, small_step_tokens=2).counts(1) == [1]
+    assert StepThreads(max_threads=4, small_step_tokens=0).counts(1) == [4]

@@ -79,11 +79,12 @@ class CompiledSteps:
 
     def warm_keys(self) -> list[tuple[int, int, int | None]]:
         """(batch, q, threads) of one warm-up step per graph steps will run: one request and any larger batch per
-        query length, under every intra-op thread count of the thread policy (torch.compile guards on the count,
-        and a step runs at any of them: a decode alone on one thread, decodes beside a prompt chunk on all). A
-        step at a count not compiled for would recompile, for seconds, while serving."""
-        counts = self.threads.counts() if self.threads is not None else [None]
-        return [(b, q, t) for q in self.query_lens for b in (1, 2) if b <= self.max_batch for t in counts]
+        query length, under every intra-op thread count the thread policy gives such steps (torch.compile guards
+        on the count: a decode alone may run on one thread, decodes beside a prompt chunk on all; the batch graph's
+        2-row steps stand for its larger ones, which run on all). A step at a count not compiled for would
+        recompile, for seconds, while serving."""
+        counts = self.threads.counts if self.threads is not None else (lambda tokens: [None])
+        return [(b, q, t) for q in self.query_lens for b in (1, 2) if b <= self.max_batch for t in counts(b * q)]
 
     @torch.inference_mode()  # the warm-up's tensors are inference tensors, as a step's are (a guard too)
     def capture_all(self, progress: bool = True) -> None:

@@ -53,12 +53,17 @@ class StepThreads:
         self.small = small_step_tokens if small_step_tokens is not None else int(env or SMALL_STEP_TOKENS)
         self.current = torch.get_num_threads()
 
-    def counts(self) -> list[int]:
-        """Every thread count a step may run on (a compiled step is compiled once per count: see compiled_step)."""
-        return sorted({step_threads(tokens, self.max_threads, self.small) for tokens in (1, self.small + 1)})
+    def count(self, num_tokens: int) -> int:
+        """The thread count of a step of num_tokens tokens."""
+        return step_threads(num_tokens, self.max_threads, self.small)
+
+    def counts(self, num_tokens: int) -> list[int]:
+        """Every count a compiled part of num_tokens tokens may run on: its own step's, and all of the engine's
+        beside a prompt chunk in a mixed step (a compiled step is compiled once per count: see compiled_step)."""
+        return sorted({self.count(num_tokens), max(1, self.max_threads)})
 
     def apply(self, num_tokens: int) -> None:
-        self.set(step_threads(num_tokens, self.max_threads, self.small))
+        self.set(self.count(num_tokens))
 
     def set(self, threads: int) -> None:
         if threads != self.current:
