@@ -134,3 +134,19 @@ def test_no_graph_is_compiled_after_start_up(v4):
     for n in (1, 2, 3):
         llm.generate([{"prompt_token_ids": p} for p in _prompts(n)], params, use_tqdm=False)
     assert counters["stats"]["unique_graphs"] == compiled
+
+
+def test_a_sliced_block_table_reaches_the_graph_with_standard_strides():
+    """A mixed step's decodes carry a slice of the step's table; the graph guards on its strides (a slice would
+    recompile, as speculation's mixed steps did), so the step hands it over with standard strides."""
+    from deepinfer.layers.static_step import StaticStep
+
+    steps = object.__new__(compiled_step.CompiledSteps)  # only what _call reads (nothing compiled)
+    steps.scratch_block, steps.fn = 0, lambda *args: args[2]
+    full = torch.arange(15).reshape(3, 5)
+    for table in (full[0:1, :3], full[:, :3]):
+        rows = table.shape[0]
+        step = StaticStep(torch.zeros(rows, dtype=torch.long), torch.zeros(rows, dtype=torch.long), table,
+                          torch.zeros(rows, dtype=torch.long), torch.zeros(rows, dtype=torch.long), 1, 16)
+        seen = steps._call(step)
+        assert seen.stride() == (3, 1) and torch.equal(seen, table)

@@ -70,6 +70,8 @@ class CompiledSteps:
         table = step.block_table
         if table.shape[1] < 2:  # pad to two columns (the scratch block): widths 0 / 1 would be graphs of their own
             table = torch.cat([table, table.new_full((table.shape[0], 2 - table.shape[1]), self.scratch_block)], 1)
+        elif table.stride(0) != table.shape[1]:  # a slice (a mixed step's decodes): the graph guards on strides
+            table = table.clone(memory_format=torch.contiguous_format)
         tensors = (step.input_ids, step.positions, table, step.state_slots, step.seq_starts)
         if step.state_slots.numel() > 1:  # any batch of two or more requests: one graph
             for t in tensors:
