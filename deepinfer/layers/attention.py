@@ -24,6 +24,47 @@ def sink_attention(q: torch.Tensor, kv: torch.Tensor, valid: torch.Tensor, sinks
     return torch.einsum("thk,tkd->thd", probs, kv.float()).to(q.dtype)
 
 
+def tiled_sink_attention(q: torch.Tensor, tokens: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor,
+                         extra: torch.Tensor | None, extra_valid: torch.Tensor | None, sinks: torch.Tensor,
+                         scale: float) -> torch.Tensor:
+    """sink_attention for tiles of queries sharing their keys, so each tile's keys are gathered once and every
+    product is a matrix product over the tile's B * H query rows.
+
+    q [T, H, d]; tokens [nt, B] the query row of each tile row; keys [nt, K, d] (key = value) with valid
+    [nt, B, K]; extra: more keys, per tile [nt, E, d] or per tile row [nt, B, E, d], with extra_valid [nt, B, E].
+    One softmax over all of a row's keys and the sink. Returns [nt * B, H, d] (tile rows, in order)."""
+    nt, b = tokens.shape
+    h, d = q.shape[1], q.shape[2]
+    rows = q.float().index_select(0, tokens.flatten()).view(nt, b * h, d)
+    logits = [_tile_logits(rows, keys.float(), valid, scale)]
+    if extra is not None:
+        logits.append(_tile_logits(rows, extra.float(), extra_valid, scale))
+    sink = sinks.float().view(1, 1, h, 1).expand(nt, b, h, 1)
+    probs = torch.softmax(torch.cat([*logits, sink], dim=-1), dim=-1)  # softmax subtracts the row max itself
+    out = torch.bmm(probs[..., :keys.shape[1]].reshape(nt, b * h, -1), keys.float())
+    if extra is not None:
+        out = out + _tile_values(probs[..., keys.shape[1]:-1], extra.float())
+    return out.view(nt * b, h, d).to(q.dtype)
+
+
+def _tile_logits(rows: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, scale: float) -> torch.Tensor:
+    """rows [nt, B * H, d] against per-tile keys [nt, K, d] or per-row keys [nt, B, K, d] -> [nt, B, H, K]."""
+    nt, b = valid.shape[:2]
+    if keys.dim() == 3:
+        logits = torch.bmm(rows, keys.transpose(1, 2)).view(nt, b, -1, keys.shape[1])
+    else:
+        logits = torch.einsum("tbhd,tbkd->tbhk", rows.view(nt, b, -1, rows.shape[-1]), keys)
+    return (logits * scale).masked_fill(~valid[:, :, None, :], float("-inf"))
+
+
+def _tile_values(probs: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """probs [nt, B, H, K] over per-tile [nt, K, d] or per-row [nt, B, K, d] values -> [nt, B * H, d]."""
+    nt, b, h, k = probs.shape
+    if keys.dim() == 3:
+        return torch.bmm(probs.reshape(nt, b * h, k), keys)
+    return torch.einsum("tbhk,tbkd->tbhd", probs, keys).reshape(nt, b * h, -1)
+
+
 def _per_token(q: torch.Tensor, kv: torch.Tensor, valid: torch.Tensor, sinks: torch.Tensor,
                scale: float) -> torch.Tensor:
     """Each query over exactly its own valid keys, so no shape depends on the other queries' key counts."""

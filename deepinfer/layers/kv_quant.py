@@ -7,6 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
+from deepinfer.layers.gather import take_rows
+
 KV_CACHE_DTYPES = {"fp8": torch.float8_e4m3fn, "int8": torch.int8}
 _MAX = {torch.float8_e4m3fn: 448.0, torch.int8: 127.0}
 
@@ -55,8 +57,8 @@ class PagedPool:
 
     def read(self, rows: torch.Tensor) -> torch.Tensor:
         if self.scale is None:
-            return self.data[rows]
-        return (self.data[rows].float() * self.scale[rows]).to(self.out_dtype)
+            return take_rows(self.data, rows)
+        return (take_rows(self.data, rows).float() * take_rows(self.scale, rows)).to(self.out_dtype)
 
     def read_blocks(self, table: torch.Tensor, block_size: int) -> torch.Tensor:
         """[R, blocks * block_size, width]: the rows of each table row's blocks, in order. One index per block

@@ -19,7 +19,7 @@ tensors.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -37,8 +37,9 @@ from deepinfer.distributed.tp import (
     vocab_shard,
 )
 from deepinfer.kernels import triton_enabled
-from deepinfer.layers.attention import sink_attention
+from deepinfer.layers.attention import sink_attention, tiled_sink_attention
 from deepinfer.layers.batch_invariant import batch_invariant_enabled
+from deepinfer.layers.gather import take_rows
 from deepinfer.layers.kv_quant import PagedPool, is_quantised, storage_dtype
 from deepinfer.layers.metadata import CacheTensorSpec, ForwardMeta
 from deepinfer.layers.moe import routed_experts, swiglu
@@ -47,7 +48,7 @@ from deepinfer.layers.rotary import RotaryTable, rotate_tail
 from deepinfer.layers.static_step import StaticStep
 from deepinfer.models.loader import QuantInfo
 from deepinfer.models.quantized import V4_EXPERT_LEAVES, keep_quantized_modules
-from deepinfer.models.v4_plan import CompressPlan, WindowPlan, compress_plan, window_plan
+from deepinfer.models.v4_plan import CompressPlan, TilePlan, WindowPlan, compress_plan, tile_plan, window_plan
 from deepinfer.models.v4_static import StaticCompress, StaticRing, StaticRope, StaticWindow, static_compress
 from deepinfer.models.weights import assign_weights
 
@@ -66,6 +67,9 @@ class StepContext:
         self._compress: dict[tuple[int, bool], CompressPlan] = {}
         # the Triton path (CUDA): keys read in the kernel through these per-token indices, never gathered
         self.use_kernels = triton_enabled(meta.input_ids) and not batch_invariant_enabled()
+        # the torch path's prompt chunks in tiles; batch-invariant mode attends every query over its own keys
+        torch_tiles = not self.use_kernels and not batch_invariant_enabled()
+        self.tiles = tile_plan(meta, self.window.source, model.config.sliding_window) if torch_tiles else None
 
     def window_source(self, ring: torch.Tensor, kv: torch.Tensor):
         """This step's window keys as the sparse-attention kernel reads them (ring before the step's write)."""
@@ -229,12 +233,12 @@ class Indexer(nn.Module):
         weights = self.weights_proj(x).float() * self.n_heads**-0.5
         if ctx.use_kernels:  # entry numbers ascending, -1 padded; keys read through the block table
             return self._kernel_select(q, weights, ctx.meta, pool, plan)
-        keys = pool.read(plan.query_entries)  # [T, E, d]
         if batch_invariant_enabled():
-            scores = self._scores_per_token(q, keys, weights, plan.query_valid)
+            scores = self._scores_per_token(q, pool.read(plan.query_entries), weights, plan.query_valid)
+        elif ctx.tiles is not None:
+            scores = self._tiled_scores(q, weights, pool, plan, ctx.tiles)
         else:
-            scores = F.relu(torch.einsum("thd,ted->the", q.float(), keys.float())) * self.head_dim**-0.5
-            scores = (scores * weights[..., None]).sum(dim=1)
+            scores = self._scores(q, pool.read(plan.query_entries), weights)
         scores = scores.masked_fill(~plan.query_valid, float("-inf"))
         k = min(self.topk, scores.shape[1])
         order = torch.sort(scores, dim=1, descending=True, stable=True).indices[:, :k]
@@ -249,6 +253,30 @@ class Indexer(nn.Module):
         return topk(q, weights, pool.data, pool.scale, meta.block_table, meta.token_req, visible,
                     meta.block_size // plan.ratio, self.topk, self.head_dim**-0.5,
                     max_entries=plan.max_entries)
+
+    def _scores(self, q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """Index scores [T, E] of queries q [T, h, d] over their own keys [T, E, d]."""
+        scores = F.relu(torch.einsum("thd,ted->the", q.float(), keys.float())) * self.head_dim**-0.5
+        return (scores * weights[..., None]).sum(dim=1)
+
+    def _tiled_scores(self, q: torch.Tensor, weights: torch.Tensor, pool: PagedPool, plan: CompressPlan,
+                      tiles: TilePlan) -> torch.Tensor:
+        """_scores with each tile's keys (its request's entries up to its last query) read once and scored by
+        one matrix product; tokens outside tiles as _scores. Columns past a query's visible entries are
+        clamped copies, masked by the caller."""
+        nt, b = tiles.tokens.shape
+        flat = tiles.tokens.flatten()
+        keys = pool.read(take_rows(plan.query_entries, tiles.last)).float()  # [nt, E, d]
+        rows = q.float().index_select(0, flat).view(nt, -1, q.shape[-1])  # [nt, B * h, d]
+        tiled = F.relu(torch.bmm(rows, keys.transpose(1, 2))).view(nt, b, q.shape[1], -1) * self.head_dim**-0.5
+        tiled = (tiled * weights.index_select(0, flat).view(nt, b, -1, 1)).sum(dim=2).flatten(0, 1)
+        scores = tiled.new_empty(q.shape[0], keys.shape[1])
+        scores.index_copy_(0, tiles.real_tokens, tiled.index_select(0, tiles.real_rows))
+        if tiles.others.numel():
+            own = pool.read(take_rows(plan.query_entries, tiles.others))
+            scores.index_copy_(0, tiles.others, self._scores(take_rows(q, tiles.others), own,
+                                                               take_rows(weights, tiles.others)))
+        return scores
 
     def _scores_per_token(self, q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor,
                           valid: torch.Tensor) -> torch.Tensor:
@@ -308,12 +336,31 @@ class Attention(nn.Module):
         return _tp_sum(self.wo_b(self._grouped_wo_a(out)), self.mp)
 
     def _attention(self, x, qr, q, kv, ctx: StepContext) -> torch.Tensor:
-        """The torch path: window and compressed keys gathered to [T, K, d], then attended."""
-        keys, valid = self._window_keys(kv, ctx.window)
-        if self.kind != SLIDING:
-            extra, extra_valid = self._compressed_keys(x, qr, ctx)
+        """The torch path (eager, off CUDA): prompt chunks tile by tile (ctx.tiles), other tokens over their own
+        gathered keys. The step's entries are written before any read; the window ring after every read."""
+        entries = self._entries(x, qr, ctx) if self.kind != SLIDING else None
+        ring = self.cache["window"].view(-1, self.head_dim)
+        source, tiles = ctx.window.source.keys(ring, kv), ctx.tiles
+        if tiles is None:
+            out = self._row_attention(q, source, ctx.window, entries, None)
+        else:
+            out = torch.empty_like(q)
+            tiled = tiled_sink_attention(q, tiles.tokens, take_rows(source, tiles.key_idx), tiles.key_valid,
+                                         *_tile_entries(entries, tiles), self.attn_sink, self.head_dim**-0.5)
+            out.index_copy_(0, tiles.real_tokens, tiled.index_select(0, tiles.real_rows))
+            if tiles.others.numel():
+                out.index_copy_(0, tiles.others, self._row_attention(q, source, ctx.window, entries, tiles.others))
+        ctx.window.source.write(ring, kv)
+        return out
+
+    def _row_attention(self, q, source: torch.Tensor, plan: WindowPlan, entries: EntryKeys | None,
+                       tokens: torch.Tensor | None) -> torch.Tensor:
+        """Tokens (None: all) over their window and entry keys, gathered per query."""
+        keys, valid = take_rows(source, _rows(plan.key_idx, tokens)), _rows(plan.key_valid, tokens)
+        if entries is not None:
+            extra, extra_valid = entries.per_row(tokens)
             keys, valid = torch.cat([keys, extra], 1), torch.cat([valid, extra_valid], 1)
-        return sink_attention(q, keys, valid, self.attn_sink, self.head_dim**-0.5)
+        return sink_attention(_rows(q, tokens), keys, valid, self.attn_sink, self.head_dim**-0.5)
 
     def _kernel_attention(self, x, qr, q, kv, ctx: StepContext) -> torch.Tensor:
         """The paged-source path: the kernel reads the ring, the new rows and the pools itself (off CUDA, a
@@ -345,29 +392,68 @@ class Attention(nn.Module):
         chosen, valid = self.indexer.select(x, qr, ctx, idx_pool, plan)
         return replace(source, entry_ids=torch.where(valid, chosen, -1))
 
-    def _window_keys(self, kv: torch.Tensor, plan: WindowPlan) -> tuple[torch.Tensor, torch.Tensor]:
-        ring = self.cache["window"].view(-1, self.head_dim)
-        keys = plan.source.gather(ring, kv, plan.key_idx)
-        plan.source.write(ring, kv)
-        return keys, plan.key_valid
-
-    def _compressed_keys(self, x: torch.Tensor, qr: torch.Tensor, ctx: StepContext):
+    def _entries(self, x: torch.Tensor, qr: torch.Tensor, ctx: StepContext) -> EntryKeys:
+        """Writes this step's compressed entries (and CSA's indexer keys), then names what each query sees."""
         pool = PagedPool.of(self.cache, "compressor.entries", self.head_dim, x.dtype)
         self.compressor(x, ctx, self.cache["compressor.ring"], pool)
         plan = ctx.compress(self.ratio, self.kind == CSA)
-        rows, valid = plan.query_entries, plan.query_valid
-        if self.kind == CSA:
-            idx_pool = PagedPool.of(self.cache, "indexer.entries", self.indexer.head_dim, x.dtype)
-            self.indexer.compressor(x, ctx, self.cache["indexer.ring"], idx_pool)
-            chosen, valid = self.indexer.select(x, qr, ctx, idx_pool, plan)
-            rows = rows.gather(1, chosen)
-        return pool.read(rows), valid
+        if self.kind != CSA:
+            return EntryKeys(pool, plan.query_entries, plan.query_valid)
+        idx_pool = PagedPool.of(self.cache, "indexer.entries", self.indexer.head_dim, x.dtype)
+        self.indexer.compressor(x, ctx, self.cache["indexer.ring"], idx_pool)
+        chosen, valid = self.indexer.select(x, qr, ctx, idx_pool, plan)
+        return EntryKeys(pool, plan.query_entries, plan.query_valid, chosen, valid)
 
     def _grouped_wo_a(self, out: torch.Tensor) -> torch.Tensor:
         t = out.shape[0]
         grouped = out.reshape(t, self.groups, -1).transpose(0, 1)  # [G, T, H*d/G]
         w = self.wo_a.weight.view(self.groups, -1, grouped.shape[-1])  # [G, o_lora, H*d/G]
         return torch.bmm(grouped, w.transpose(1, 2)).transpose(0, 1).reshape(t, -1)
+
+
+DENSE_SELECTION = 4  # a tile scores all of its request's entries while they are at most this many top-k's
+
+
+@dataclass(frozen=True)
+class EntryKeys:
+    """The compressed entries of a step's queries: rows [T, E] (paged rows of entries 0..E-1 of the query's
+    request, clamped past its visible ones) with valid [T, E] (visible); CSA adds the indexer's choice, chosen
+    [T, k] columns of rows with chosen_valid [T, k]."""
+
+    pool: PagedPool
+    rows: torch.Tensor
+    valid: torch.Tensor
+    chosen: torch.Tensor | None = None
+    chosen_valid: torch.Tensor | None = None
+
+    def per_row(self, tokens: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each token's own keys [T', K, d] and validity (tokens None: all)."""
+        if self.chosen is None:
+            return self.pool.read(_rows(self.rows, tokens)), _rows(self.valid, tokens)
+        return (self.pool.read(_rows(self.rows.gather(1, self.chosen), tokens)), _rows(self.chosen_valid, tokens))
+
+    def selected(self) -> torch.Tensor:
+        """[T, E] the entries each query attends (CSA: its top-k, as a mask over rows' columns)."""
+        if self.chosen is None:
+            return self.valid
+        return torch.zeros_like(self.valid).scatter_(1, self.chosen, self.chosen_valid)
+
+
+def _rows(t: torch.Tensor, tokens: torch.Tensor | None) -> torch.Tensor:
+    return t if tokens is None else take_rows(t, tokens)
+
+
+def _tile_entries(entries: EntryKeys | None, tiles: TilePlan) -> tuple:
+    """(keys, valid) of tiled_sink_attention's extra keys: per tile (all entries of the tile's request up to its
+    last query, each row masked to its own) or, for a CSA top-k much smaller than that, per tile row."""
+    if entries is None:
+        return None, None
+    nt, b = tiles.tokens.shape
+    flat = tiles.tokens.flatten()
+    if entries.chosen is None or entries.rows.shape[1] <= DENSE_SELECTION * entries.chosen.shape[1]:
+        return entries.pool.read(entries.rows[tiles.last]), entries.selected()[flat].view(nt, b, -1)
+    keys, valid = entries.per_row(flat)
+    return keys.view(nt, b, *keys.shape[1:]), valid.view(nt, b, -1)
 
 
 class Gate(nn.Module):

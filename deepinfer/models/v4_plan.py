@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from deepinfer.layers.gather import take_rows
 from deepinfer.layers.metadata import ForwardMeta
 
 
@@ -37,8 +38,14 @@ class RingSource:
         from_new = self.ring_rows.numel() + self._qstart[req] + pos - self._start[req]
         return torch.where(pos < self._start[req], from_ring, from_new)
 
+    def keys(self, ring_flat: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+        """The gather source: the ring rows read this step, then the new rows (what `index` numbers)."""
+        if self.ring_rows.numel() == 0:  # fresh prompts only: nothing read from the ring
+            return new
+        return torch.cat([take_rows(ring_flat, self.ring_rows), new])
+
     def gather(self, ring_flat: torch.Tensor, new: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-        return torch.cat([ring_flat[self.ring_rows], new])[idx]
+        return take_rows(self.keys(ring_flat, new), idx)
 
     def write(self, ring_flat: torch.Tensor, new: torch.Tensor) -> None:
         ring_flat[self.write_dst] = new[self.write_src]
@@ -139,3 +146,59 @@ def _query_entries(meta: ForwardMeta, ratio: int) -> tuple[torch.Tensor, torch.T
     w_safe = torch.minimum(w, (visible[:, None] - 1).clamp(min=0))
     rows = meta.slots_of(meta.token_req[:, None].expand_as(w), w_safe, ratio=ratio)
     return rows, valid
+
+
+TILE_ROWS = 32  # queries per tile of a prompt chunk (layers.attention.tiled_sink_attention)
+MIN_TILED_QUERIES = TILE_ROWS // 2  # a request with fewer queries this step is attended row by row
+
+
+@dataclass
+class TilePlan:
+    """A step's prompt chunks cut into tiles of B consecutive queries of one request: every query of a tile
+    attends within the same K positions ending at the tile's last row, gathered once per tile instead of W per
+    query. K = B + min(W - 1, the latest tile start): a chunk near the start of its prompt gathers fewer
+    positions, none below 0 that every tile would mask. Requests with fewer than MIN_TILED_QUERIES queries
+    (decodes, verify steps) stay outside: `others` lists their tokens, attended over their own gathered keys."""
+
+    tokens: torch.Tensor  # [nt, B] token row of each tile row; a padding row repeats its request's last query
+    key_idx: torch.Tensor  # [nt, K] rows into the window gather source (RingSource.keys)
+    key_valid: torch.Tensor  # [nt, B, K] key position in (query position - W, query position], and >= 0
+    real_rows: torch.Tensor  # [n] flat tile rows that are queries of their own ...
+    real_tokens: torch.Tensor  # [n] ... and their token rows
+    others: torch.Tensor  # [T'] tokens outside tiles
+
+    @property
+    def last(self) -> torch.Tensor:
+        """[nt] token row of each tile's last query (it sees the most compressed entries)."""
+        return self.tokens[:, -1]
+
+
+def tile_plan(meta: ForwardMeta, src: RingSource, window: int, rows: int | None = None,
+              min_queries: int | None = None) -> TilePlan | None:
+    """None when no request has min_queries queries this step (defaults: the module's TILE_ROWS and
+    MIN_TILED_QUERIES, read per call). Host lists and index arithmetic only."""
+    rows, min_queries = rows or TILE_ROWS, min_queries or MIN_TILED_QUERIES
+    lens, qs, dev = meta.query_lens(), meta.query_start, meta.device
+    tiled = [r for r, n in enumerate(lens) if n >= min_queries]
+    if not tiled:
+        return None
+    tiles = [(r, j) for r in tiled for j in range(0, lens[r], rows)]  # (request row, first query offset)
+    req = torch.tensor([r for r, _ in tiles], device=dev)
+    first = torch.tensor([qs[r] + j for r, j in tiles], device=dev)
+    last = torch.tensor([qs[r + 1] - 1 for r, _ in tiles], device=dev)
+    start = torch.tensor([meta.seq_starts[r] + j for r, j in tiles], device=dev)  # position of the first row
+    span = rows + min(window - 1, max(meta.seq_starts[r] + j for r, j in tiles))
+    offs = torch.arange(rows, device=dev)
+    tokens = first[:, None] + offs
+    real = (tokens <= last[:, None]).flatten()
+    key_pos = start[:, None] + torch.arange(span, device=dev) - (span - rows)
+    query_pos = start[:, None] + offs
+    end_pos = start + (last - first)
+    key_idx = src.index(req[:, None].expand_as(key_pos), torch.minimum(key_pos.clamp(min=0), end_pos[:, None]))
+    kp, qp = key_pos[:, None, :], query_pos[:, :, None]
+    key_valid = (kp >= 0) & (kp <= qp) & (kp > qp - window)
+    real_rows = torch.nonzero(real).flatten()
+    in_tiles = set(tiled)
+    others = [t for r, n in enumerate(lens) if r not in in_tiles for t in range(qs[r], qs[r] + n)]
+    return TilePlan(torch.minimum(tokens, last[:, None]), key_idx, key_valid, real_rows,
+                    tokens.flatten()[real_rows], torch.tensor(others, dtype=torch.long, device=dev))
