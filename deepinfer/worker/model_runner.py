@@ -15,6 +15,7 @@ from deepinfer.layers.batch_invariant import batch_invariant, forward_per_token,
 from deepinfer.layers.metadata import CacheTensorSpec, ForwardMeta, sub_meta
 from deepinfer.spec.base import ProposeBatch, ProposeItem, Proposer
 from deepinfer.worker.encoder_cache import EncoderCache
+from deepinfer.worker.host_memory import keep_freed_memory
 from deepinfer.worker.rejection import verify_greedy, verify_random
 from deepinfer.worker.sampler import (
     Sampler,
@@ -88,6 +89,8 @@ class ModelRunner:
         """scratch_rows: extra paged blocks and state rows past the layout's, never handed out by the scheduler
         (CUDA graphs' padding rows write there: block layout.num_blocks, state row layout.state_rows)."""
         self.model, self.layout, self.device = model, layout, device
+        if device.type == "cpu":
+            keep_freed_memory()  # step buffers reused, not re-faulted (host_memory.py)
         self.scratch_rows = scratch_rows
         self.graphs = None  # worker.cuda_graphs.StepGraphs once captured
         self.deterministic, self.seed = deterministic, seed
