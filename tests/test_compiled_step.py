@@ -150,3 +150,29 @@ def test_a_sliced_block_table_reaches_the_graph_with_standard_strides():
                           torch.zeros(rows, dtype=torch.long), torch.zeros(rows, dtype=torch.long), 1, 16)
         seen = steps._call(step)
         assert seen.stride() == (3, 1) and torch.equal(seen, table)
+
+
+class _ToyEngine:
+    """A compiled method whose graph depends on its instance (a Python loop over `n`), as each engine's does."""
+
+    def __init__(self, n: int, own: bool):
+        self.n = n
+        method = compiled_step._own_code(self._forward) if own else self._forward
+        self.fn = torch.compile(method, dynamic=True, fullgraph=True)
+
+    def _forward(self, x):
+        for _ in range(self.n):
+            x = x * 2
+        return x
+
+
+def test_each_engine_compiles_into_its_own_cache():
+    """Dynamo keeps at most recompile_limit (8) graphs per code object: ten engines sharing one method's code fail
+    the ninth compile (an engine then ran eagerly); with a code object each, all ten compile and give their own
+    results."""
+    limit = torch._dynamo.config.recompile_limit
+    with pytest.raises(torch._dynamo.exc.FailOnRecompileLimitHit):
+        for n in range(limit + 2):
+            _ToyEngine(n, own=False).fn(torch.ones(2))
+    outs = [_ToyEngine(n, own=True).fn(torch.ones(2)) for n in range(limit + 2)]
+    assert [o[0].item() for o in outs] == [2.0**n for n in range(limit + 2)]

@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Sequence
+import types
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
@@ -48,7 +49,7 @@ class CompiledSteps:
         self.query_lens, self.with_streams = tuple(query_lens), with_streams
         self.max_blocks = -(-longest_position(model, max_model_len) // block_size)
         model.grow_rope(longest_position(model, max_model_len))  # the rope tables are indexed, never grown
-        self.fn = torch.compile(self._forward, dynamic=True, fullgraph=True)
+        self.fn = torch.compile(_own_code(self._forward), dynamic=True, fullgraph=True)
         self.failed = False  # set when compiling failed at start-up: every step then runs eagerly
 
     def _forward(self, input_ids, positions, block_table, state_slots, seq_starts, q: int) -> tuple:
@@ -101,6 +102,16 @@ class CompiledSteps:
             self.failed = True
             logger.warning("torch.compile could not compile the decode step (%s: %s); steps run eagerly",
                            type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
+
+
+def _own_code(method: Callable) -> Callable:
+    """`method` bound to a copy of its function with a code object of its own. Dynamo keeps compiled graphs per
+    code object, at most `recompile_limit` (8) of them: the engines of one process shared `_forward`'s code and
+    its list, so in a benchmark process building one engine per configuration the later engines found it full
+    and ran eagerly. Its own code object gives each engine its own list, freed with it."""
+    f = method.__func__
+    own = types.FunctionType(f.__code__.replace(), f.__globals__, f.__name__, f.__defaults__, f.__closure__)
+    return types.MethodType(own, method.__self__)
 
 
 def use_compiled_steps(model: torch.nn.Module, args, device: torch.device, proposer=None) -> bool:
