@@ -25,7 +25,7 @@ from deepinfer.layers.kv_quant import PagedPool, quantize  # noqa: E402
 from deepinfer.layers.metadata import ForwardMeta  # noqa: E402
 from deepinfer.models import dsa  # noqa: E402
 from deepinfer.models.deepseek_v4 import Indexer  # noqa: E402
-from deepinfer.models.v4_plan import _query_entries  # noqa: E402
+from deepinfer.models.v4_plan import _query_entries, tile_plan, window_plan  # noqa: E402
 
 HEADS, DIM, PER_BLOCK, TOPK = 4, 16, 4, 4
 NAN = float("nan")
@@ -226,9 +226,13 @@ def _v4_indexer() -> Indexer:
     return indexer
 
 
-def test_reference_matches_v4_indexer_select():
+@pytest.mark.parametrize("tiled", [False, True], ids=["rows", "tiles"])
+def test_reference_matches_v4_indexer_select(tiled):
+    """The torch path's select (row by row, or tiled: the first request's 40 queries in tiles of 4, whose rows see
+    different entry counts, the others row by row) chooses the kernel reference's entries."""
     ratio, block_size = 4, 16  # per_block = block_size // ratio entries per block
-    meta = _v4_step([0, 9, 30], [6, 3, 2], block_size)
+    meta = _v4_step([0, 9, 30], [40, 3, 2], block_size)
+    tiles = tile_plan(meta, window_plan(meta, 8).source, 8, rows=4, min_queries=4) if tiled else None
     rows, valid = _query_entries(meta, ratio)
     visible = (meta.positions + 1) // ratio
     g = torch.Generator().manual_seed(8)
@@ -239,7 +243,7 @@ def test_reference_matches_v4_indexer_select():
     q, x = torch.randint(-2, 3, (t, HEADS, DIM), generator=g).float(), torch.randint(-2, 3, (t, HEADS), generator=g)
     x = x.float()
     rope = (torch.ones(t, 4), torch.zeros(t, 4))  # identity rotation
-    ctx = SimpleNamespace(rope={"compress": rope}, use_kernels=False)
+    ctx = SimpleNamespace(rope={"compress": rope}, use_kernels=False, tiles=tiles)
     with torch.no_grad():
         order, ok = _v4_indexer().select(x, q.reshape(t, -1), ctx,
                                          PagedPool(pool, None, torch.float32), SimpleNamespace(query_entries=rows,
