@@ -5,7 +5,7 @@ them back to the kernel when freed, and trims the heap top above 128 KiB. An eag
 same megabytes of activations every step (a V4 prompt chunk's [T, H, 512] tensors are 16 MiB each at 2,048
 tokens), so every step paid the kernel's page faults and zeroing again: an element-wise op over fresh pages ran at
 a quarter of its speed. With the thresholds raised, freed buffers are reused from the heap (measured with
-benchmarks/v4_prefill.py: 1.3-1.6x on a V4 prompt step). Allocations above 32 MiB (glibc's cap for the mmap
+benchmarks/v4_prefill.py: 1.2-1.9x on V4 prompt steps). Allocations above 32 MiB (glibc's cap for the mmap
 threshold) still map pages of their own.
 """
 
