@@ -81,17 +81,12 @@ def summarise(runs: dict, batches: list[int]) -> dict:
 
 
 def plot(table: dict, batches: list[int], path: Path) -> None:
-    import matplotlib
+    from deepinfer.bench.plotting import grouped_bars, pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(7, 4))
-    width = 0.8 / len(table)
-    for i, (key, row) in enumerate(table.items()):
-        ax.bar([j + i * width for j in range(len(batches))], [row[f"ms_per_step_b{b}"] for b in batches], width,
-               label=key)
-    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(batches))], [f"batch {b}" for b in batches])
+    grouped_bars(ax, [f"batch {b}" for b in batches],
+                 {key: [row[f"ms_per_step_b{b}"] for b in batches] for key, row in table.items()})
     ax.set_ylabel("ms per decode step (lower is better)")
     ax.set_title("bundled model: eager vs compiled decode steps")
     ax.legend()

@@ -88,16 +88,13 @@ def measure(name: str, path: Path, args) -> dict:
 
 
 def plot(results: dict, batches: list[int], out: Path) -> None:
-    from deepinfer.bench.plotting import pyplot
+    from deepinfer.bench.plotting import grouped_bars, pyplot
 
     plt = pyplot()
     fig, axes = plt.subplots(1, len(results), figsize=(5.5 * len(results), 4), squeeze=False)
     for ax, (name, table) in zip(axes[0], results.items()):
-        width = 0.8 / len(table)
-        for i, (key, per) in enumerate(table.items()):
-            ax.bar([j + i * width for j in range(len(batches))], [per[str(b)]["ms"] for b in batches], width,
-                   label=key)
-        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(batches))], [f"batch {b}" for b in batches])
+        grouped_bars(ax, [f"batch {b}" for b in batches],
+                     {key: [per[str(b)]["ms"] for b in batches] for key, per in table.items()})
         ax.set(title=name, ylabel="ms per compiled decode step", yscale="log")
         ax.legend(fontsize=7)
     fig.tight_layout()

@@ -86,18 +86,13 @@ def summarise(runs: dict[str, list[dict]], shapes: list[str]) -> dict:
 
 
 def plot(table: dict, path: Path) -> None:
-    import matplotlib
+    from deepinfer.bench.plotting import grouped_bars, pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     shapes = list(table)
     fig, ax = plt.subplots(figsize=(8, 4))
-    width = 0.8 / len(ARMS)
-    for i, arm in enumerate(ARMS):
-        ax.bar([j + i * width for j in range(len(shapes))], [table[s]["prompt_tokens_per_s"][arm] for s in shapes],
-               width, label=arm)
-    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(shapes))], [f"{s} tokens" for s in shapes])
+    grouped_bars(ax, [f"{s} tokens" for s in shapes],
+                 {arm: [table[s]["prompt_tokens_per_s"][arm] for s in shapes] for arm in ARMS})
     ax.set_ylabel("prompt tokens/s (higher is better)")
     ax.set_title("V4 (head dim 512) prompt steps on CPU, eager")
     ax.legend()
