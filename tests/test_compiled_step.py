@@ -2,6 +2,7 @@
 the eager engine's greedy tokens and, within float32 rounding, its log-probabilities; after the start-up
 warm-up nothing recompiles (a recompile is an error here); a model the compiler cannot take runs eagerly."""
 
+import functools
 import logging
 
 import pytest
@@ -26,7 +27,8 @@ def _prompts(n: int) -> list[list[int]]:
 
 
 def _generate(path, eager: bool, n: int, monkeypatch, **options):
-    """Greedy tokens and top-3 logprobs of n prompts, and the batch size of every compiled step."""
+    """Greedy tokens and top-3 logprobs of n prompts, the batch size of every compiled step, and the
+    compiled steps (None when eager)."""
     llm = LLM(str(path), enforce_eager=eager, **{**OPTIONS, **options})
     steps, calls = llm.engine.runner.graphs, []
     if steps is not None:
@@ -36,7 +38,7 @@ def _generate(path, eager: bool, n: int, monkeypatch, **options):
     params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True, logprobs=3) for m in (12, 5, 9)][:n]
     outs = llm.generate([{"prompt_token_ids": p} for p in _prompts(n)], params, use_tqdm=False)
     lps = [[{t: lp.logprob for t, lp in d.items()} for d in o.outputs[0].logprobs] for o in outs]
-    return [o.outputs[0].token_ids for o in outs], lps, calls
+    return [o.outputs[0].token_ids for o in outs], lps, calls, steps
 
 
 def _assert_same(want, got) -> None:
@@ -54,6 +56,8 @@ def test_compiled_decode_matches_eager_v4(v4, monkeypatch):
     got = _generate(v4, False, 1, monkeypatch, max_num_seqs=1)
     _assert_same(want, got)
     assert want[2] == [] and got[2] == [1] * 11
+    calls = got[3].fn
+    assert calls.guarded <= 2 and calls.direct >= 9  # guards checked once per key (verified_calls.py)
 
 
 @pytest.mark.slow
@@ -76,6 +80,35 @@ def test_compiled_mla_decode_matches_eager(tmp_path, monkeypatch):
     got = _generate(path, False, 3, monkeypatch, max_num_seqs=4)
     _assert_same(want, got)
     assert {3, 2, 1} <= set(got[2])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["mtp", "ngram"])
+def test_compiled_verify_steps_match_eager(v4, tmp_path, monkeypatch, method):
+    """With speculation, verify steps of k + 1 tokens are compiled too (MTP: with the hidden streams its drafter
+    reads); greedy tokens equal the eager engine's, and no step recompiles."""
+    from test_spec_decode import _with_mtp
+
+    path = _with_mtp(v4, tmp_path / "mtp")
+    params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in (24, 15, 19)]
+    prompts = [{"prompt_token_ids": p * 3} for p in _prompts(3)]  # repeats: n-gram drafts find matches
+    runs, query_lens, steps = [], [], None
+    for eager in (True, False):
+        llm = LLM(str(path), enforce_eager=eager, speculative_config={"method": method, "num_speculative_tokens": 3},
+                  **{**OPTIONS, "max_num_seqs": 4})
+        if not eager:
+            monkeypatch.setattr(torch._dynamo.config, "error_on_recompile", True)
+            steps = llm.engine.runner.graphs
+            steps.run = functools.partial(_recording, steps.run, query_lens)
+        runs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
+    assert runs[0] == runs[1] and llm.engine.scheduler.spec_stats.num_drafts > 0
+    assert steps.fn.direct > steps.fn.guarded
+    assert 4 in query_lens or method == "ngram"  # n-gram drafts vary in length: uneven steps run eagerly
+
+
+def _recording(run, query_lens: list, meta):
+    query_lens.append(meta.num_tokens // meta.num_reqs)
+    return run(meta)
 
 
 def test_a_model_the_compiler_cannot_take_runs_eagerly(v4, monkeypatch, caplog):

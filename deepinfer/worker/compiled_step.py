@@ -11,6 +11,7 @@ once per intra-op thread count the runner's thread policy uses (torch.compile gu
 Inductor caches what it compiles on disk (DEFAULT_CACHE_DIR unless TORCHINDUCTOR_CACHE_DIR is set), so a
 restart with the same model and versions compiles nothing (dynamo still traces the model: seconds, not
 minutes). A model the compiler cannot take (an error while compiling at start-up) is logged and run eagerly.
+Dynamo's per-call guard check runs once per input key (verified_calls.py), not on every step.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from tqdm import tqdm
 from deepinfer.layers.static_step import StaticStep
 from deepinfer.worker.cuda_graphs import fits_static_step, longest_position, supports_graphs
 from deepinfer.worker.threads import StepThreads
+from deepinfer.worker.verified_calls import VerifiedCalls
 
 logger = logging.getLogger("deepinfer")
 
@@ -34,6 +36,13 @@ DEFAULT_CACHE_DIR = Path("~/.cache/deepinfer/inductor").expanduser()
 # Set at import, before anything reaches inductor's cache_dir(): its first call fixes the directory for the process
 # (it writes the variable itself), and building a model may get there first (the CPU kernels' build does).
 os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(DEFAULT_CACHE_DIR))
+# The per-call Python around a small step's graph (benchmarks/step_overhead.py): inductor's C++ wrapper in place of
+# its Python one, without re-checking each buffer's size, strides and alignment on every call (the guards verified
+# the inputs' shapes and strides, verified_calls.py)...
+INDUCTOR_OPTIONS = {"cpp_wrapper": True, "size_asserts": False, "alignment_asserts": False}
+# ...and float attributes (norm eps, scaling factors) traced as constants: with dynamic=True dynamo would make each a
+# graph input and turn it into a tensor on every call.
+DYNAMO_CONFIG = {"specialize_float": True}
 
 
 class CompiledSteps:
@@ -49,7 +58,9 @@ class CompiledSteps:
         self.query_lens, self.with_streams = tuple(query_lens), with_streams
         self.max_blocks = -(-longest_position(model, max_model_len) // block_size)
         model.grow_rope(longest_position(model, max_model_len))  # the rope tables are indexed, never grown
-        self.fn = torch.compile(_own_code(self._forward), dynamic=True, fullgraph=True)
+        own = _own_code(self._forward)
+        compiled = torch.compile(own, dynamic=True, fullgraph=True, options=dict(INDUCTOR_OPTIONS))
+        self.fn = VerifiedCalls(own, torch._dynamo.config.patch(**DYNAMO_CONFIG)(compiled))  # guards: once per key
         self.failed = False  # set when compiling failed at start-up: every step then runs eagerly
 
     def _forward(self, input_ids, positions, block_table, state_slots, seq_starts, q: int) -> tuple:
