@@ -60,3 +60,11 @@ def test_without_the_private_hook_every_call_is_guarded(monkeypatch):
     for _ in range(3):
         _check(toy, torch.randn(2, 4))
     assert (toy.fn.guarded, toy.fn.direct) == (3, 0)
+
+
+def test_the_oldest_keys_are_dropped_past_the_limit(monkeypatch):
+    monkeypatch.setattr(verified_calls, "MAX_KEYS", 2)
+    toy = _Toy()
+    for rows in (1, 2, 3, 1):  # 1 was dropped when 3 came: guarded again
+        _check(toy, torch.randn(rows, 4))
+    assert toy.fn.guarded == 4 and [k[0][0][1][0] for k in toy.fn.verified] == [3, 1]

@@ -29,6 +29,10 @@ try:  # private: the cache entries dynamo keeps per code object (torch 2.13)
 except ImportError:  # pragma: no cover - another torch: every call is guarded
     _cache_entries = None
 
+# Keys remembered per compiled function, oldest dropped first: a batch graph meets one key per (batch size, block
+# table width), and a dropped key only costs one guarded call again.
+MAX_KEYS = 4096
+
 
 def call_key(args: tuple) -> tuple:
     """What may differ between two calls of one engine's compiled step: each tensor's dtype, shape, strides and
@@ -59,6 +63,8 @@ class VerifiedCalls:
         out = self.compiled(*args)
         body = self._passing_body(args)
         if body is not None:
+            if len(self.verified) >= MAX_KEYS:
+                del self.verified[next(iter(self.verified))]
             self.verified[key] = body
         return out
 
