@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from deepinfer.distributed.moe_comm import _all_gather_single  # the one alias of the renamed all-gather
+from deepinfer.layers.lm_head import logits_linear
 from deepinfer.layers.moe import swiglu
 
 # ----------------------------------------------------------------------------------------- pure sharding
@@ -253,7 +254,7 @@ class ParallelLMHead(_VocabSharded):
     what = "LM head"
 
     def local_logits(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight)
+        return logits_linear(x, self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         per = -(-self.vocab_size // self.tp.size)

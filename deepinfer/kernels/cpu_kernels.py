@@ -11,6 +11,9 @@ Kernels (sources in kernels/cpu/):
 - mla_decode: MLA absorbed paged decode attention (the contract of kernels/mla_decode.py without KV scales or a
   DSA selection), one pass over each request's context rows with an online softmax, no gathered copy. Used up to
   MLA_DECODE_MAX_HEADS query heads per rank; with more, a head group's dots lose to the GEMMs of the torch path.
+- rows_linear: x @ w^T for up to ROWS_LINEAR_MAX_ROWS rows of x (a decode step's LM head), one streaming pass
+  over w in storage order; BLAS reads a tall row-major w at half that speed for so few rows. Each output
+  element is one dot in a fixed order, whatever the number of rows or threads.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ logger = logging.getLogger("deepinfer")
 SOURCES = Path(__file__).parent / "cpu"
 DEFAULT_BUILD_DIR = Path("~/.cache/deepinfer/extensions").expanduser()
 MLA_DECODE_MAX_HEADS = 8  # query heads per rank up to which mla_decode beats gather + GEMMs (measured)
+ROWS_LINEAR_MAX_ROWS = 4  # rows of x up to which rows_linear beats BLAS on an LM head (measured)
 _state: dict[str, bool] = {}
 
 
@@ -61,6 +65,7 @@ def _build(progress: bool) -> None:
                        extra_cflags=["-O3", "-march=native", "-fopenmp-simd"], build_directory=str(build),
                        is_python_module=False, verbose=False)
     torch.library.register_fake("deepinfer_cpu::mla_decode", _mla_decode_fake)  # shapes for tracing
+    torch.library.register_fake("deepinfer_cpu::rows_linear", _rows_linear_fake)
 
 
 def _tag() -> str:
@@ -82,3 +87,12 @@ def mla_decode(q: torch.Tensor, pool: torch.Tensor, block_table: torch.Tensor, s
 
 def _mla_decode_fake(q, pool, block_table, seq_lens, block_size, latent, scale):
     return q.new_empty(q.shape[0], q.shape[1], latent)
+
+
+def rows_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x [M, K] @ w [N, K]^T -> [M, N] in x's dtype (float32 arithmetic). Requires available()."""
+    return torch.ops.deepinfer_cpu.rows_linear(x, w)
+
+
+def _rows_linear_fake(x, w):
+    return x.new_empty(x.shape[0], w.shape[0])

@@ -46,6 +46,7 @@ from deepinfer.distributed.tp import (
 from deepinfer.kernels import cpu_kernels, triton_enabled
 from deepinfer.layers.batch_invariant import batch_invariant_enabled
 from deepinfer.layers.kv_quant import PagedPool, is_quantised, storage_dtype
+from deepinfer.layers.lm_head import LMHead
 from deepinfer.layers.metadata import CacheTensorSpec, ForwardMeta
 from deepinfer.layers.norm import RMSNorm
 from deepinfer.layers.rotary import RotaryTable, rotate_halves, rotate_interleaved
@@ -467,7 +468,7 @@ def _lm_head(cfg: ModelConfig, dtype: torch.dtype, device, mp: ModelParallel) ->
     """Full [..., V] logits on every TP rank (ParallelLMHead all-gathers the vocab blocks)."""
     if mp.tp.size > 1:
         return _vocab_table(ParallelLMHead, cfg, dtype, device, mp)
-    return _linear(cfg.hidden_size, cfg.vocab_size, dtype, device)
+    return nn.utils.skip_init(LMHead, cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype, device=device)
 
 
 class DeepseekV3Model(nn.Module):
@@ -697,7 +698,7 @@ class DeepseekV3ForCausalLM(nn.Module):
         self._mtp_kv: list[PagedPool] = []
         self.kv_cache_dtype = "auto"  # storage of the latent pools: auto (model dtype) | fp8 | int8
         self.batch_invariant_kernels = True  # attention honours layers.batch_invariant
-        if torch.device(device).type == "cpu":  # its CPU decode's kernel: every process serving the model loads it
+        if torch.device(device).type == "cpu":  # its CPU decode's kernels: every process serving the model loads them
             cpu_kernels.load()
 
     @property

@@ -36,11 +36,12 @@ from deepinfer.distributed.tp import (
     vocab_range,
     vocab_shard,
 )
-from deepinfer.kernels import triton_enabled
+from deepinfer.kernels import cpu_kernels, triton_enabled
 from deepinfer.layers.attention import sink_attention, tiled_sink_attention
 from deepinfer.layers.batch_invariant import batch_invariant_enabled
 from deepinfer.layers.gather import take_rows
 from deepinfer.layers.kv_quant import PagedPool, is_quantised, storage_dtype
+from deepinfer.layers.lm_head import LMHead
 from deepinfer.layers.metadata import CacheTensorSpec, ForwardMeta
 from deepinfer.layers.moe import routed_experts, swiglu
 from deepinfer.layers.norm import RMSNorm, rms_normalize
@@ -147,7 +148,7 @@ def _tp_sum(x: torch.Tensor, mp: ModelParallel) -> torch.Tensor:
 
 # The vocab-parallel tables and the plain modules they stand for on one TP rank.
 _PLAIN_TABLE = {VocabParallelEmbedding: lambda vocab, dim: nn.Embedding(vocab, dim),
-                ParallelLMHead: lambda vocab, dim: nn.Linear(dim, vocab, bias=False)}
+                ParallelLMHead: lambda vocab, dim: LMHead(dim, vocab, bias=False)}
 
 
 def _vocab_table(cls: type, vocab: int, dim: int, mp: ModelParallel) -> nn.Module:
@@ -633,6 +634,8 @@ class DeepseekV4ForCausalLM(nn.Module):
         self.mtp_loaded = False  # True once a checkpoint supplied every mtp.* tensor
         self.to(device=device)
         self._cast_compute_weights(dtype)
+        if torch.device(device).type == "cpu":  # its LM head's decode kernel: every process serving it loads it
+            cpu_kernels.load()
         self.rope_main = RotaryTable(config.rope_main, min(config.max_position, 8192), device)
         self.rope_compress = RotaryTable(config.rope_compress, min(config.max_position, 8192), device)
 
