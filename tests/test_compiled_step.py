@@ -209,3 +209,64 @@ def test_each_engine_compiles_into_its_own_cache():
             _ToyEngine(n, own=False).fn(torch.ones(2))
     outs = [_ToyEngine(n, own=True).fn(torch.ones(2)) for n in range(limit + 2)]
     assert [o[0].item() for o in outs] == [2.0**n for n in range(limit + 2)]
+
+
+def test_broken_artifact_names_only_a_library_in_the_cache(tmp_path):
+    cache, elsewhere = tmp_path / "cache", tmp_path / "other"
+    (cache / "ab").mkdir(parents=True)
+    elsewhere.mkdir()
+    lib, build = cache / "ab" / "cabc.main.so", cache / "ab" / "cabc.main_CxxBuild"
+    lib.touch()
+    build.mkdir()
+    (elsewhere / "x.so").touch()
+    error = ImportError(f"{lib}: file too short")
+    assert compiled_step.broken_artifact(RuntimeError(f"InductorError: ImportError: {error}"), cache) == lib
+    try:
+        try:
+            raise error
+        except ImportError as inner:
+            raise RuntimeError("backend='inductor' raised:") from inner
+    except RuntimeError as wrapped:
+        assert compiled_step.broken_artifact(wrapped, cache) == lib  # named by the exception it was raised from
+    assert compiled_step.broken_artifact(ImportError(f"{elsewhere / 'x.so'}: file too short"), cache) is None
+    assert compiled_step.broken_artifact(ImportError(f"{cache / 'ab' / 'gone.so'}: no such file"), cache) is None
+    assert compiled_step.broken_artifact(ValueError("no library named here"), cache) is None
+    (cache / "ab" / "good.so").write_bytes(b"\x7fELF" + bytes(60))
+    assert compiled_step.unloadable_libraries(cache) == [lib]
+    assert compiled_step.broken_libraries(ValueError("a compile error naming no library"), cache) == [lib]
+    compiled_step.remove_artifact(lib)
+    assert not lib.exists() and not build.exists()
+
+
+_COMPILE_AND_REPORT = """
+import logging, sys
+from deepinfer import LLM, SamplingParams
+llm = LLM(sys.argv[1], enforce_eager=False, max_num_seqs=1, block_size=16, load_progress=False, dtype="float32")
+out = llm.generate([{"prompt_token_ids": [5, 6, 7, 8]}], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
+print("FAILED" if llm.engine.runner.graphs.failed else "COMPILED", out[0].outputs[0].token_ids)
+"""
+
+
+@pytest.mark.slow
+def test_an_interrupted_build_in_the_compile_cache_is_repaired(v4, tmp_path):
+    """Every library of a first start's compile cut to nothing (what processes killed mid-build leave): the
+    next start removes what does not load, compiles again and runs compiled, with the same tokens."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
+
+    def start():
+        done = subprocess.run([sys.executable, "-c", _COMPILE_AND_REPORT, str(v4)], env=env, capture_output=True,
+                              text=True, timeout=900)
+        assert done.returncode == 0, done.stderr[-2000:]
+        return done.stdout.strip().splitlines()[-1], done.stderr
+
+    first, _ = start()
+    libraries = list((tmp_path / "inductor").rglob("*.so"))
+    assert first.startswith("COMPILED") and libraries
+    for lib in libraries:
+        lib.write_bytes(b"")
+    second, log = start()
+    assert second == first and "do not load (an interrupted build?)" in log

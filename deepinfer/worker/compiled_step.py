@@ -10,7 +10,10 @@ at start-up (`capture_all`): one request, the latency case the compiler speciali
 once per intra-op thread count the runner's thread policy uses (torch.compile guards on the thread count).
 Inductor caches what it compiles on disk (DEFAULT_CACHE_DIR unless TORCHINDUCTOR_CACHE_DIR is set), so a
 restart with the same model and versions compiles nothing (dynamo still traces the model: seconds, not
-minutes). A model the compiler cannot take (an error while compiling at start-up) is logged and run eagerly.
+minutes). A build interrupted mid-write (a killed process) can leave an empty or partial library in that cache,
+which inductor would load as done on every later start. When compiling fails with such libraries in the cache,
+they and inductor's cached graphs are removed and the step compiled again (a few times at most). A model the
+compiler cannot take (an error while compiling at start-up) is logged and run eagerly.
 Dynamo's per-call guard check runs once per input key (verified_calls.py), not on every step.
 """
 
@@ -18,6 +21,8 @@ from __future__ import annotations
 
 import logging
 import os
+import re
+import shutil
 import types
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -44,6 +49,8 @@ INDUCTOR_OPTIONS = {"size_asserts": False, "alignment_asserts": False}
 # ...and float attributes (norm eps, scaling factors) traced as constants: with dynamic=True dynamo would make each a
 # graph input and turn it into a tensor on every call.
 DYNAMO_CONFIG = {"specialize_float": True}
+MAX_REPAIRS = 3  # broken cached libraries removed (and compiles retried) at start-up before giving up
+GRAPH_CACHES = ("fxgraph", "aotautograd")  # inductor's cached graphs, under its cache directory
 
 
 class CompiledSteps:
@@ -103,17 +110,73 @@ class CompiledSteps:
 
     @torch.inference_mode()  # the warm-up's tensors are inference tensors, as a step's are (a guard too)
     def capture_all(self, progress: bool = True) -> None:
-        """Compile every graph now (start-up), on padding rows: `warm_keys`, each under its thread count."""
-        try:
-            for batch, q, threads in tqdm(self.warm_keys(), desc="Compiling decode steps", disable=not progress):
-                if threads is not None:
-                    self.threads.set(threads)
-                self._call(StaticStep.empty(batch, q, 2, self.block_size, self.scratch_slot, self.scratch_block,
-                                            self.device))
-        except Exception as exc:  # the compiler's errors have no common base class
-            self.failed = True
-            logger.warning("torch.compile could not compile the decode step (%s: %s); steps run eagerly",
-                           type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
+        """Compile every graph now (start-up), on padding rows: `warm_keys`, each under its thread count. A failure
+        with broken libraries in the cache removes them and compiles again (up to MAX_REPAIRS times)."""
+        for attempt in range(MAX_REPAIRS + 1):
+            try:
+                return self._compile_all(progress)
+            except Exception as exc:  # the compiler's errors have no common base class
+                cache_dir = Path(os.environ["TORCHINDUCTOR_CACHE_DIR"])
+                broken = broken_libraries(exc, cache_dir) if attempt < MAX_REPAIRS else []
+                if not broken:
+                    self.failed = True
+                    logger.warning("torch.compile could not compile the decode step (%s: %s); steps run eagerly",
+                                   type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
+                    return
+                logger.warning("compile cache: %d libraries do not load (an interrupted build?), %s first; removed "
+                               "with the cached graphs, compiling again", len(broken), broken[0])
+                for lib in broken:
+                    remove_artifact(lib)
+                forget_graphs(cache_dir)
+
+    def _compile_all(self, progress: bool) -> None:
+        for batch, q, threads in tqdm(self.warm_keys(), desc="Compiling decode steps", disable=not progress):
+            if threads is not None:
+                self.threads.set(threads)
+            self._call(StaticStep.empty(batch, q, 2, self.block_size, self.scratch_slot, self.scratch_block,
+                                        self.device))
+
+
+def broken_artifact(exc: BaseException, cache_dir: Path) -> Path | None:
+    """The compiled library under cache_dir that `exc` (a compile error, or one it was raised from) failed to
+    load, if that is what it is."""
+    text = []
+    while exc is not None and len(text) < 8:  # the backend wraps the loader's ImportError
+        text.append(str(exc))
+        exc = exc.__cause__ or exc.__context__
+    for match in re.finditer(r"(/[^\s:'\"]+\.so)\b", "\n".join(text)):
+        path = Path(match.group(1))
+        if path.is_file() and path.resolve().is_relative_to(cache_dir.resolve()):
+            return path
+    return None
+
+
+def broken_libraries(exc: BaseException, cache_dir: Path) -> list[Path]:
+    """What a failed compile may have tripped on: the library its error names, and every library in the cache
+    without an ELF header (the failure can surface as a compile error of a kernel that links nothing broken)."""
+    named = broken_artifact(exc, cache_dir)
+    return list(dict.fromkeys(([named] if named else []) + unloadable_libraries(cache_dir)))
+
+
+def unloadable_libraries(cache_dir: Path) -> list[Path]:
+    """Libraries under cache_dir without an ELF header (empty or cut short before it)."""
+    def elf(path: Path) -> bool:
+        with path.open("rb") as f:
+            return f.read(4) == b"\x7fELF"
+    return [lib for lib in cache_dir.rglob("*.so") if lib.is_file() and not elf(lib)]
+
+
+def forget_graphs(cache_dir: Path) -> None:
+    """Inductor's cached graphs (they name their libraries, and a graph found there rebuilds a missing library
+    another way, which fails on some kernels): the next compile lowers each graph afresh."""
+    for sub in GRAPH_CACHES:
+        shutil.rmtree(cache_dir / sub, ignore_errors=True)
+
+
+def remove_artifact(path: Path) -> None:
+    """The library and inductor's build folder beside it (<name>_CxxBuild), so the next compile rebuilds it."""
+    path.unlink(missing_ok=True)
+    shutil.rmtree(path.with_name(path.stem + "_CxxBuild"), ignore_errors=True)
 
 
 def _own_code(method: Callable) -> Callable:
