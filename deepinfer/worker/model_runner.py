@@ -270,8 +270,8 @@ class ModelRunner:
                 self._sample_rows([req], logits[rows[i]:rows[i] + 1], [outputs[i]],
                                   [self._position_generator(req, positions[i])], result, grammar)
             return
-        self._sample_rows(requests, logits[self._long(rows)], outputs, [r.generator for r in requests], result,
-                          grammar)
+        picked = logits if rows == list(range(len(logits))) else logits[self._long(rows)]  # one row each: no copy
+        self._sample_rows(requests, picked, outputs, [r.generator for r in requests], result, grammar)
 
     def _sample_rows(self, requests, logits: torch.Tensor, outputs, generators, result: RunnerOutput,
                      grammar: tuple[list[str], torch.Tensor] | None = None) -> None:
