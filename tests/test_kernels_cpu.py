@@ -127,8 +127,8 @@ def test_rows_linear_row_does_not_depend_on_the_batch():
 
 
 def test_logits_linear_dispatch(monkeypatch):
-    """The kernel for a few rows of a 2-D input; F.linear for more rows, for autograd (gradients flow) and in
-    batch-invariant mode. LMHead is an nn.Linear whose product goes the same way."""
+    """The kernel for a few rows of a 2-D float32 input; F.linear for more rows, for bfloat16, for autograd
+    (gradients flow) and in batch-invariant mode. LMHead is an nn.Linear whose product goes the same way."""
     calls = []
     kernel = cpu_kernels.rows_linear
     monkeypatch.setattr(cpu_kernels, "rows_linear", lambda x, w: calls.append(x.shape[0]) or kernel(x, w))
@@ -137,6 +137,7 @@ def test_logits_linear_dispatch(monkeypatch):
     with torch.no_grad():
         torch.testing.assert_close(head(few), torch.nn.functional.linear(few, head.weight))
         head(many)
+        logits_linear(few.bfloat16(), head.weight.bfloat16())
         with batch_invariant():
             logits_linear(few, head.weight)
     assert calls == [cpu_kernels.ROWS_LINEAR_MAX_ROWS]
