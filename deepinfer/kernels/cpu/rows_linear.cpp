@@ -8,9 +8,10 @@
 // Work: w's rows are cut into ROWS equal segments, read side by side: group j is row j of every segment, and
 // each row of x is dotted with the group's ROWS rows at once (ROWS independent accumulator chains). Reading
 // ROWS distant sequential streams rather than one keeps more cache misses in flight (one stream measured at
-// about 60% of BLAS's transposed-layout speed on a cold w). Groups are split across torch's intra-op threads. x is converted to float32 once;
-// arithmetic is float32 whatever the storage dtype; the output has x's dtype. Each output element is one dot
-// in a fixed order: it does not depend on M, on the thread count or on the other rows.
+// about 60% of BLAS's transposed-layout speed on a cold w). Groups are split across torch's intra-op threads.
+// x is converted to float32 once; arithmetic is float32 whatever the storage dtype; the output has x's dtype.
+// Each output element is one dot in a fixed order: it does not depend on M, on the thread count or on the
+// other rows.
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
