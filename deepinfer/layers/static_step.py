@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
+from deepinfer.layers.metadata import host_long
+
 
 @dataclass
 class StaticStep:
@@ -39,7 +41,7 @@ class StaticStep:
     def from_meta(cls, meta) -> StaticStep:
         """The step of a ForwardMeta whose requests all compute the same number of new tokens."""
         q = meta.num_tokens // max(meta.num_reqs, 1)
-        starts = torch.tensor(meta.seq_starts, dtype=torch.long, device=meta.device)
+        starts = host_long(meta.seq_starts, meta.device)
         return cls(meta.input_ids, meta.positions, meta.block_table, meta.state_slots, starts, q, meta.block_size)
 
     # --- the ForwardMeta views layer code reads (same names and meanings) ---------------------------

@@ -12,7 +12,7 @@ import torch
 from deepinfer.engine.kv_cache import ForkCopy
 from deepinfer.engine.outputs import RunnerOutput, ScheduledRequest, SchedulerOutput
 from deepinfer.layers.batch_invariant import batch_invariant, forward_per_token, position_seed
-from deepinfer.layers.metadata import CacheTensorSpec, ForwardMeta, sub_meta
+from deepinfer.layers.metadata import CacheTensorSpec, ForwardMeta, host_long, sub_meta
 from deepinfer.spec.base import ProposeBatch, ProposeItem, Proposer
 from deepinfer.worker.encoder_cache import EncoderCache
 from deepinfer.worker.host_memory import keep_freed_memory
@@ -80,6 +80,13 @@ def plan_cache(specs: list[CacheTensorSpec], block_size: int, num_slots: int, bu
         raise ValueError(f"KV cache budget of {budget_bytes} bytes is too small: {num_slots} state slots "
                          f"and one block need {need} bytes; lower max_num_seqs or raise kv_cache_memory_bytes")
     return CacheLayout(int(num_blocks), block_size, num_slots, per_block, per_slot, num_snapshots)
+
+
+def _rows(hidden: torch.Tensor, indices: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """hidden[indices], where `rows` holds the same indices on the host: hidden itself when they are all of its rows
+    in order (a decode step's every row is sampled), saving an index op per step."""
+    n = hidden.shape[0]
+    return hidden if len(rows) == n and rows == list(range(n)) else hidden[indices]
 
 
 class ModelRunner:
@@ -151,7 +158,7 @@ class ModelRunner:
         else:
             hidden = self.forward(meta)
             draft_input = hidden if kind == "final" else None
-        return self.model.compute_logits(hidden[meta.logits_indices]), draft_input
+        return self.model.compute_logits(_rows(hidden, meta.logits_indices, rows)), draft_input
 
     def _graphed(self, meta: ForwardMeta) -> bool:
         """Whether this step replays a CUDA graph (decode / verify steps they cover; never two-batch overlap)."""
@@ -223,7 +230,7 @@ class ModelRunner:
         return [(req, req.prompt_token_ids[p + 1], first_row + p - s.start) for p in range(s.start, stop)]
 
     def _long(self, values) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.long, device=self.device)
+        return host_long(values, self.device)
 
     def _block_table(self, scheduled: list[ScheduledRequest]) -> torch.Tensor:
         width = max((len(s.block_ids) for s in scheduled), default=1)
