@@ -14,6 +14,7 @@ minutes). A build interrupted mid-write (a killed process) can leave an empty or
 which inductor would load as done on every later start. When compiling fails with such libraries in the cache,
 they and inductor's cached graphs are removed and the step compiled again (a few times at most). A model the
 compiler cannot take (an error while compiling at start-up) is logged and run eagerly.
+On CPU a post-grad pass sends the few-row GEMMs of a batch-1 step to the rows kernel (rows_gemms.py).
 Dynamo's per-call guard check runs once per input key (verified_calls.py), not on every step.
 """
 
@@ -31,6 +32,7 @@ import torch
 from tqdm import tqdm
 
 from deepinfer.layers.static_step import StaticStep
+from deepinfer.worker import rows_gemms
 from deepinfer.worker.cuda_graphs import fits_static_step, longest_position, supports_graphs
 from deepinfer.worker.threads import StepThreads
 from deepinfer.worker.verified_calls import VerifiedCalls
@@ -53,6 +55,14 @@ MAX_REPAIRS = 3  # broken cached libraries removed (and compiles retried) at sta
 GRAPH_CACHES = ("fxgraph", "aotautograd")  # inductor's cached graphs, under its cache directory
 
 
+def inductor_options(device: torch.device) -> dict:
+    """INDUCTOR_OPTIONS, plus the rows-kernel pass for few-row GEMMs on CPU (rows_gemms.py) when it is on."""
+    options = dict(INDUCTOR_OPTIONS)
+    if device.type == "cpu" and rows_gemms.enabled():
+        options["post_grad_custom_post_pass"] = rows_gemms.RowsGemmPass()
+    return options
+
+
 class CompiledSteps:
     """The compiled forward_static of one model and the steps it runs (runner.graphs' interface: covers,
     run, capture_all)."""
@@ -67,7 +77,7 @@ class CompiledSteps:
         self.max_blocks = -(-longest_position(model, max_model_len) // block_size)
         model.grow_rope(longest_position(model, max_model_len))  # the rope tables are indexed, never grown
         own = _own_code(self._forward)
-        compiled = torch.compile(own, dynamic=True, fullgraph=True, options=dict(INDUCTOR_OPTIONS))
+        compiled = torch.compile(own, dynamic=True, fullgraph=True, options=inductor_options(device))
         self.fn = VerifiedCalls(own, torch._dynamo.config.patch(**DYNAMO_CONFIG)(compiled))  # guards: once per key
         self.failed = False  # set when compiling failed at start-up: every step then runs eagerly
 
