@@ -53,10 +53,13 @@ def test_profile_categories_take_the_innermost_known_frame():
     assert server_profile.category(["main (x.py:1)"]) == "other"
 
 
-def test_a_deepinfer_variant_is_deepinfer_with_its_environment():
+def test_a_deepinfer_variant_is_deepinfer_with_its_environment_and_options():
     base = peers.Engine("deepinfer", "0.1.0", lambda *a: ["serve"])
     variant = peers.deepinfer_variant("all-threads:DEEPINFER_SMALL_STEP_TOKENS=0,X=1", base)
     assert (variant.name, variant.env) == ("all-threads", {"DEEPINFER_SMALL_STEP_TOKENS": "0", "X": "1"})
-    assert variant.command is base.command and "DEEPINFER_SMALL_STEP_TOKENS=0" in variant.version
-    with pytest.raises(SystemExit):
-        peers.deepinfer_variant("no-assignments", base)
+    assert variant.command("tiny", None, 1) == ["serve"] and "DEEPINFER_SMALL_STEP_TOKENS=0" in variant.version
+    flagged = peers.deepinfer_variant("async:--async-scheduling,X=1", base)
+    assert flagged.command("tiny", None, 1) == ["serve", "--async-scheduling"] and flagged.env == {"X": "1"}
+    for bad in ("no-assignments", "name:", "name:neither-flag-nor-assignment"):
+        with pytest.raises(SystemExit):
+            peers.deepinfer_variant(bad, base)
