@@ -82,11 +82,15 @@ def plan_cache(specs: list[CacheTensorSpec], block_size: int, num_slots: int, bu
     return CacheLayout(int(num_blocks), block_size, num_slots, per_block, per_slot, num_snapshots)
 
 
+def _every_row(rows: list[int], n: int) -> bool:
+    """Whether rows is 0, 1, ..., n - 1: selecting them from n rows would copy the tensor as it is."""
+    return len(rows) == n and rows == list(range(n))
+
+
 def _rows(hidden: torch.Tensor, indices: torch.Tensor, rows: list[int]) -> torch.Tensor:
-    """hidden[indices], where `rows` holds the same indices on the host: hidden itself when they are all of its rows
-    in order (a decode step's every row is sampled), saving an index op per step."""
-    n = hidden.shape[0]
-    return hidden if len(rows) == n and rows == list(range(n)) else hidden[indices]
+    """hidden[indices], where `rows` holds the same indices on the host: hidden itself for every row in order (a
+    decode step samples each), saving an index op per step."""
+    return hidden if _every_row(rows, hidden.shape[0]) else hidden[indices]
 
 
 class ModelRunner:
@@ -277,7 +281,7 @@ class ModelRunner:
                 self._sample_rows([req], logits[rows[i]:rows[i] + 1], [outputs[i]],
                                   [self._position_generator(req, positions[i])], result, grammar)
             return
-        picked = logits if rows == list(range(len(logits))) else logits[self._long(rows)]  # one row each: no copy
+        picked = logits if _every_row(rows, len(logits)) else logits[self._long(rows)]  # one row each: no copy
         self._sample_rows(requests, picked, outputs, [r.generator for r in requests], result, grammar)
 
     def _sample_rows(self, requests, logits: torch.Tensor, outputs, generators, result: RunnerOutput,

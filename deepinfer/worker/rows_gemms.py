@@ -4,9 +4,10 @@ A batch-1 decode step multiplies one row by each dense projection, x [M, K] @ W^
 inductor emits `mm(x, permute(W, [1, 0]))` (`addmm(c, ...)` with a residual or bias c), which BLAS computes at well
 under streaming speed for so few rows, and the weights come from memory between steps. kernels/cpu's rows_linear
 reads W as stored (docs/performance.md, "Small GEMMs of a compiled step"). The pass rewrites such a node when:
-- M is a static int of at most cpu_kernels.ROWS_LINEAR_MAX_ROWS (a dynamic batch's graph keeps BLAS: one graph
-  serves every batch size there, and the kernel is for a few rows only);
-- x and W are 2-D float32 on CPU and W is contiguous (the kernel reads its rows in place);
+- M is a static int (a dynamic batch's graph keeps BLAS: one graph serves every batch size there) and W is
+  contiguous (the kernel reads its rows in place);
+- the LM head's rule holds (layers/lm_head.rows_kernel_serves: at most cpu_kernels.ROWS_LINEAR_MAX_ROWS rows of
+  2-D float32 x and W on CPU, kernels loaded, not batch-invariant mode);
 - an addmm has alpha = beta = 1 (then it becomes rows_linear + c, which inductor fuses into the next kernel).
 Each output element is one float32 dot in a fixed order, as in the LM head: a row's values do not depend on the
 batch or the thread count. They differ from BLAS's in rounding only.
@@ -22,6 +23,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_file
 from torch.fx import Graph, Node
 
 from deepinfer.kernels import cpu_kernels
+from deepinfer.layers.lm_head import rows_kernel_serves
 
 aten = torch.ops.aten
 ENV = "DEEPINFER_ROWS_GEMMS"  # "0": compiled steps keep BLAS for few-row GEMMs (an A/B switch)
@@ -65,12 +67,12 @@ def _transposed(node) -> Node | None:
 
 
 def _fits(x, w) -> bool:
+    """The LM head's dispatch rule (layers/lm_head.rows_kernel_serves) on the nodes' fake values, for a static row
+    count (a symbolic one is never compared: that would guard the graph on it) and a contiguous W."""
     xv, wv = _val(x), _val(w)
-    if xv is None or wv is None or xv.dim() != 2 or wv.dim() != 2:
+    if xv is None or wv is None or xv.dim() != 2 or wv.dim() != 2 or type(xv.shape[0]) is not int:
         return False
-    rows = xv.shape[0]
-    return (type(rows) is int and rows <= cpu_kernels.ROWS_LINEAR_MAX_ROWS and xv.dtype == wv.dtype == torch.float32
-            and xv.device.type == wv.device.type == "cpu" and wv.is_contiguous())
+    return wv.device.type == "cpu" and wv.is_contiguous() and rows_kernel_serves(xv, wv)
 
 
 def _val(node):
